@@ -1,0 +1,75 @@
+"""tvcache: a stateful tool-value cache for post-training tool-using LLM agents.
+
+    from tvcache import Cache
+    from tvcache.sandboxes import SQLiteSandbox
+
+    cache = Cache("cache-dir")                      # durable; Cache() keeps everything in memory
+    db = SQLiteSandbox.factory("app.sqlite")
+    async with cache.session("task-1", sandbox=db) as s:
+        result = await s.call("sql", {"query": "SELECT 1"})
+
+A hit returns exactly what executing the call after the same history would return; see README.md.
+"""
+
+from .cache import Cache, NondeterminismWarning
+from .calls import ToolCall, ToolSpec, canonical_json, stable_digest
+from .errors import (
+    InvalidInput,
+    InvalidTaskId,
+    InvalidToolCall,
+    JournalError,
+    ReplayError,
+    SandboxError,
+    SessionClosed,
+    TVCacheError,
+    UnknownTool,
+)
+from .graph import Lease, MatchResult, Node, ToolCallGraph
+from .journal import JournalWarning
+from .policies import AlwaysSnapshot, Budget, CostAwareSnapshots, CostModel, LowReuseFirst, NeverSnapshot
+from .protocol import Outcome, Sandbox, SandboxFactory, Snapshot
+from .results import AuditFinding, CacheStats, ToolResult
+from .session import Session, SessionStats, SyncSession, TestResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlwaysSnapshot",
+    "AuditFinding",
+    "Budget",
+    "Cache",
+    "CacheStats",
+    "CostAwareSnapshots",
+    "CostModel",
+    "InvalidInput",
+    "InvalidTaskId",
+    "InvalidToolCall",
+    "JournalError",
+    "JournalWarning",
+    "Lease",
+    "LowReuseFirst",
+    "MatchResult",
+    "NeverSnapshot",
+    "Node",
+    "NondeterminismWarning",
+    "Outcome",
+    "ReplayError",
+    "Sandbox",
+    "SandboxError",
+    "SandboxFactory",
+    "Session",
+    "SessionClosed",
+    "SessionStats",
+    "Snapshot",
+    "SyncSession",
+    "TVCacheError",
+    "TestResult",
+    "ToolCall",
+    "ToolCallGraph",
+    "ToolResult",
+    "ToolSpec",
+    "UnknownTool",
+    "__version__",
+    "canonical_json",
+    "stable_digest",
+]

@@ -1,0 +1,182 @@
+"""Tool calls as canonical bytes, their stable digests, and tool specs.
+
+Two calls are the same call when their names match and their arguments are equal as JSON values: key order
+and whitespace do not matter, types do (``1`` and ``1.0`` and ``true`` are three different arguments, because a
+tool can tell them apart). Digests are blake2b-128 over the canonical bytes, stable across processes and
+machines, so they can key durable journals and route tasks to shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import InvalidToolCall
+
+__all__ = ["ToolCall", "ToolSpec", "canonical_json", "stable_digest"]
+
+DIGEST_BYTES = 16
+
+
+def stable_digest(data: bytes) -> bytes:
+    """A portable 128-bit digest (never Python's salted ``hash()``)."""
+    return hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()
+
+
+def _check_json(value: Any, where: str) -> None:
+    """Reject anything that would not survive a JSON round trip unchanged."""
+    if value is None or isinstance(value, bool | int | str):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidToolCall(f"argument {where} is {value!r}, which JSON cannot represent; use a string")
+        return
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _check_json(item, f"{where}[{index}]")
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidToolCall(f"argument {where} has a non-string key {key!r}; JSON keys are strings")
+            _check_json(item, f"{where}.{key}")
+        return
+    raise InvalidToolCall(
+        f"argument {where} is a {type(value).__name__} ({value!r:.60}), which is not JSON-representable; "
+        "pass strings, numbers, booleans, null, lists and string-keyed objects only"
+    )
+
+
+def canonical_json(value: Any) -> bytes:
+    """Canonical UTF-8 JSON: sorted keys, no insignificant whitespace, shortest round-trip floats."""
+    _check_json(value, "arguments")
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+class ToolCall:
+    """One tool call: a tool name and JSON arguments, held as canonical bytes with a stable digest.
+
+    Immutable and hashable; equality is by digest. ``arguments`` is decoded from the canonical bytes, so a
+    sandbox executes exactly the call that was keyed.
+    """
+
+    __slots__ = ("_canonical", "digest", "name")
+
+    name: str
+    digest: bytes
+    _canonical: bytes
+
+    def __init__(self, name: str, arguments: Mapping[str, Any] | None = None) -> None:
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise InvalidToolCall(f"tool name must be a non-empty string of at most 256 characters, got {name!r}")
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, Mapping):
+            raise InvalidToolCall(
+                f"arguments of {name!r} must be a JSON object (a dict), got {type(arguments).__name__}"
+            )
+        canonical = canonical_json(arguments)
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "_canonical", canonical)
+        object.__setattr__(self, "digest", stable_digest(name.encode() + b"\x00" + canonical))
+
+    @classmethod
+    def from_json(cls, name: str, arguments_json: str | bytes) -> ToolCall:
+        """Build a call from arguments given as JSON text (as LLM tool calls arrive)."""
+        try:
+            arguments = json.loads(arguments_json)
+        except (ValueError, TypeError) as error:
+            raise InvalidToolCall(f"arguments of {name!r} are not valid JSON: {error}") from error
+        return cls(name, arguments)
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """A fresh copy of the arguments, decoded from the canonical bytes."""
+        decoded: dict[str, Any] = json.loads(self._canonical)
+        return decoded
+
+    @property
+    def canonical_arguments(self) -> bytes:
+        return self._canonical
+
+    def canonical(self) -> bytes:
+        """The whole call as canonical JSON bytes: ``{"arguments":...,"name":...}``."""
+        return b'{"arguments":' + self._canonical + b',"name":' + json.dumps(self.name).encode() + b"}"
+
+    @property
+    def hexdigest(self) -> str:
+        return self.digest.hex()
+
+    def __setattr__(self, key: str, value: object) -> None:
+        raise AttributeError("ToolCall is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ToolCall) and other.digest == self.digest
+
+    def __hash__(self) -> int:
+        return int.from_bytes(self.digest[:8], "little")
+
+    def __repr__(self) -> str:
+        text = self._canonical.decode()
+        if len(text) > 80:
+            text = text[:77] + "..."
+        return f"ToolCall({self.name!r}, {text})"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ToolCall.from_json, (self.name, self._canonical))
+
+
+_TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolSpec:
+    """What the cache must know about a tool to serve it exactly.
+
+    ``read_only``: the call never changes sandbox state, so its result is keyed by the state it reads and it does
+    not extend the rollout's path. Leave it False when unsure: a backend may still *prove* single calls read-only.
+    ``deterministic``: the same call in the same state always returns the same result. A non-deterministic tool
+    is never served from cache, and a non-deterministic call that may change state ends caching for the rest of
+    the rollout, since later states can no longer be reproduced.
+    ``arguments`` / ``optional_arguments``: expected argument names and Python types, checked before execution
+    (None skips the check).
+    """
+
+    name: str
+    read_only: bool = False
+    deterministic: bool = True
+    description: str = ""
+    arguments: Mapping[str, type | tuple[type, ...]] | None = None
+    optional_arguments: Mapping[str, type | tuple[type, ...]] = field(default_factory=dict)
+
+    def validate(self, call: ToolCall) -> None:
+        """Raise InvalidToolCall when the call's arguments do not fit this spec."""
+        if self.arguments is None:
+            return
+        given = call.arguments
+        missing = [key for key in self.arguments if key not in given]
+        if missing:
+            raise InvalidToolCall(f"tool {self.name!r} is missing required argument(s): {', '.join(missing)}")
+        known = {**self.arguments, **self.optional_arguments}
+        unknown = [key for key in given if key not in known]
+        if unknown:
+            raise InvalidToolCall(
+                f"tool {self.name!r} got unexpected argument(s) {', '.join(unknown)}; "
+                f"it accepts: {', '.join(known) or '(none)'}"
+            )
+        for key, value in given.items():
+            expected = known[key]
+            types = expected if isinstance(expected, tuple) else (expected,)
+            # bool is an int in Python but not in JSON schemas: only accept it where bool is expected.
+            wrong_bool = isinstance(value, bool) and bool not in types
+            if wrong_bool or not isinstance(value, types):
+                names = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
+                raise InvalidToolCall(
+                    f"tool {self.name!r}: argument {key!r} must be {names}, got {type(value).__name__} {value!r:.60}"
+                )

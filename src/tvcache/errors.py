@@ -1,0 +1,66 @@
+"""Every error tvcache raises, under one base class.
+
+    TVCacheError
+    ├── InvalidInput           a bad value from the caller
+    │   ├── InvalidTaskId      a task id that is empty, too long or contains NUL
+    │   └── InvalidToolCall    arguments that are not JSON, or that do not fit the tool's spec
+    │       └── UnknownTool    a call to a tool nobody declared
+    ├── SandboxError           a sandbox failed to start, fork, snapshot or execute
+    │   └── ReplayError        a sandbox failed while re-creating a cached state
+    ├── JournalError           the durable journal cannot be opened or written
+    └── SessionClosed          a call on a session that has already ended
+
+Each message says what went wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class TVCacheError(Exception):
+    """Base class of every error raised by tvcache."""
+
+
+class InvalidInput(TVCacheError, ValueError):
+    """A value passed by the caller cannot be accepted; nothing was changed."""
+
+
+class InvalidTaskId(InvalidInput):
+    """A task id that cannot be used."""
+
+
+class InvalidToolCall(InvalidInput):
+    """A tool call whose name or arguments cannot be accepted."""
+
+
+class UnknownTool(InvalidToolCall):
+    """A call names a tool that is not declared by the cache or the sandbox."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name = name
+        self.known = sorted(known)
+        listing = ", ".join(self.known) or "(none)"
+        super().__init__(f"unknown tool {name!r}; declared tools are: {listing}")
+
+
+class SandboxError(TVCacheError):
+    """A sandbox backend failed. The cache itself is left consistent."""
+
+
+class ReplayError(SandboxError):
+    """A sandbox failed while replaying cached calls to reach a state."""
+
+    def __init__(self, call: object, task_id: str, cause: BaseException) -> None:
+        self.call = call
+        self.task_id = task_id
+        super().__init__(
+            f"task {task_id!r}: replaying {call} to reach a cached state failed: {cause!r}; "
+            "the cache is unchanged and the session can retry the call"
+        )
+
+
+class JournalError(TVCacheError):
+    """The on-disk journal of a durable cache cannot be used."""
+
+
+class SessionClosed(TVCacheError):
+    """A call was made on a session after it was closed."""

@@ -1,0 +1,75 @@
+"""Values returned to users: results of calls, audit findings and cache statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .calls import ToolCall
+
+__all__ = ["AuditFinding", "CacheStats", "ToolResult"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ToolResult:
+    """The answer to one ``session.call``.
+
+    ``hit``: served from the cache (or from a concurrent session's execution of the same call) without
+    executing it here. ``seconds``: wall time this call took in this session, including any sandbox work to
+    reach the state. ``seconds_saved``: for a hit, the measured execution time it avoided, less what the hit
+    cost; 0 for a miss. ``cached``: the result is now in the graph (False for non-deterministic tools and
+    after a rollout left the cached paths).
+    """
+
+    call: ToolCall
+    output: str
+    is_error: bool
+    hit: bool
+    seconds: float
+    seconds_saved: float
+    cached: bool
+    coalesced: bool = False
+    node_id: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AuditFinding:
+    """A cached result re-checked by real execution in a fresh sandbox."""
+
+    task_id: str
+    node_id: int
+    call: ToolCall
+    cached_output: str
+    fresh_output: str
+
+    @property
+    def agrees(self) -> bool:
+        return self.cached_output == self.fresh_output
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheStats:
+    """Counters since the cache was opened (graph sizes include what was reloaded from disk)."""
+
+    tasks: int
+    nodes: int
+    snapshots: int
+    snapshot_bytes: int
+    hits: int
+    misses: int
+    coalesced: int
+    uncacheable: int
+    seconds_executed: float
+    seconds_saved: float
+    sandboxes_started: int
+    sandboxes_forked: int
+    snapshots_taken: int
+    snapshots_evicted: int
+    calls_replayed: int
+    audits: int
+    audit_disagreements: int
+    replay_divergences: int
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses + self.uncacheable
+        return self.hits / total if total else 0.0

@@ -1,0 +1,1 @@
+"""Sandbox backends. Each implements the protocol in ``tvcache.protocol``."""

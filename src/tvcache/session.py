@@ -1,0 +1,457 @@
+"""Rollout sessions: how one rollout's tool calls go through the cache.
+
+A session follows its rollout through the task's graph. A call cached at the current state is a hit and runs
+nothing. A miss needs a sandbox in the current state, which the session gets lazily, by the cheapest of three
+routes (measured costs): keep its live sandbox and replay the calls it lags behind, fork the nearest snapshot
+and replay from there, or start fresh and replay everything. Two sessions missing on the same call in the same
+state execute it once. A call that may change state but is not deterministic takes the rollout off the cached
+paths: from then on it runs live and uncached, since no later state can be reproduced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import warnings
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .calls import ToolCall, ToolSpec
+from .errors import ReplayError, SandboxError, SessionClosed
+from .graph import Lease, Node
+from .protocol import Outcome, Sandbox, SandboxFactory
+from .results import AuditFinding, ToolResult
+
+if TYPE_CHECKING:
+    from .cache import Cache
+
+__all__ = ["Session", "SessionStats", "SyncSession", "TestResult"]
+
+TestFunction = Callable[[Sandbox], Any] | Callable[[Sandbox], Awaitable[Any]]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TestResult:
+    """The value of an end-of-rollout check (reward, test verdict) and whether it came from the cache."""
+
+    __test__ = False  # not a pytest test class
+
+    key: str
+    value: Any
+    hit: bool
+    seconds: float
+
+
+@dataclass(kw_only=True, slots=True)
+class SessionStats:
+    hits: int = 0
+    misses: int = 0
+    uncached: int = 0
+    seconds: float = 0.0
+    seconds_saved: float = 0.0
+    sandboxes_started: int = 0
+    sandboxes_forked: int = 0
+    calls_replayed: int = 0
+
+
+class Session:
+    """One rollout of one task. Use as ``async with cache.session(task, sandbox=factory) as s``."""
+
+    def __init__(self, cache: Cache, task_id: str, factory: SandboxFactory) -> None:
+        self.cache = cache
+        self.task_id = task_id
+        self.factory = factory
+        self.graph = cache.graph(task_id)
+        self._costs = cache.costs(factory)
+        # Where the rollout is in the graph; None once it has left the cached paths.
+        self.state: Node | None = self.graph.root
+        self._sandbox: Sandbox | None = None
+        # The state the live sandbox is in (it may lag behind self.state after hits); None when off-graph.
+        self._sandbox_state: Node | None = None
+        self.history: list[ToolCall] = []
+        self.stats = SessionStats()
+        self._audits: set[asyncio.Task[None]] = set()
+        self.closed = False
+
+    # ------------------------------------------------------------- public
+
+    @property
+    def on_cached_path(self) -> bool:
+        return self.state is not None
+
+    async def call(self, name: str, arguments: dict[str, Any] | None = None) -> ToolResult:
+        """Run one tool call through the cache and return exactly what executing it would return."""
+        if self.closed:
+            raise SessionClosed(f"session of task {self.task_id!r} is closed; open a new one")
+        call = ToolCall(name, arguments)
+        spec = self.cache.spec(name, self.factory)
+        spec.validate(call)
+        self.history.append(call)
+        started = time.perf_counter()
+        if self.state is None or not self.cache.is_deterministic(spec):
+            return await self._execute_uncached(call, spec, started)
+        while True:
+            state = self.state
+            node = self.cache._lookup(self.graph, state, call)
+            if node is not None:
+                return self._hit(node, started, coalesced=False)
+            owner, future = self.cache._claim(self.graph, state, call)
+            if owner:
+                return await self._execute_and_record(call, spec, state, started)
+            try:
+                node = await asyncio.wrap_future(future)
+            except Exception:  # the executing session failed: try again ourselves
+                continue
+            if node is None:  # it turned out not cacheable in this state
+                return await self._execute_uncached(call, spec, started)
+            self.cache._touch(self.graph, node)
+            self.cache._count("coalesced")
+            return self._hit(node, started, coalesced=True)
+
+    async def test(self, fn: TestFunction, *, key: str | None = None) -> TestResult:
+        """Run an end-of-rollout check ``fn(sandbox)`` in the current state, cached per state and ``key``
+        (default: the function's qualified name). The value must be JSON-representable."""
+        if self.closed:
+            raise SessionClosed(f"session of task {self.task_id!r} is closed; open a new one")
+        key = key or getattr(fn, "__qualname__", None) or repr(fn)
+        started = time.perf_counter()
+        state = self.state
+        if state is not None and state.tests is not None and key in state.tests:
+            return TestResult(key=key, value=state.tests[key], hit=True, seconds=time.perf_counter() - started)
+        sandbox = await self._ensure_sandbox(state) if state is not None else self._live()
+        value = fn(sandbox)
+        if inspect.isawaitable(value):
+            value = await value
+        if state is not None:
+            self.cache._record_test(self.graph, state, key, value)
+        return TestResult(key=key, value=value, hit=False, seconds=time.perf_counter() - started)
+
+    async def close(self) -> None:
+        """Wait for audits, then stop the sandbox. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self._audits:
+                await asyncio.gather(*self._audits, return_exceptions=True)
+        finally:
+            await self._stop_sandbox()
+
+    async def __aenter__(self) -> Session:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------ hits
+
+    def _hit(self, node: Node, started: float, *, coalesced: bool) -> ToolResult:
+        if not node.read_only:
+            self.state = node
+        seconds = time.perf_counter() - started
+        saved = max(0.0, node.seconds - seconds)
+        self.stats.hits += 1
+        self.stats.seconds += seconds
+        self.stats.seconds_saved += saved
+        self.cache._count("hits")
+        self.cache._account(saved=saved)
+        if self.cache._should_audit():
+            task = asyncio.get_running_loop().create_task(self._audit(node))
+            self._audits.add(task)
+            task.add_done_callback(self._audits.discard)
+        assert node.call is not None
+        return ToolResult(
+            call=node.call,
+            output=node.output,
+            is_error=node.is_error,
+            hit=True,
+            seconds=seconds,
+            seconds_saved=saved,
+            cached=True,
+            coalesced=coalesced,
+            node_id=node.id,
+        )
+
+    # ---------------------------------------------------------- misses
+
+    async def _execute_and_record(self, call: ToolCall, spec: ToolSpec, state: Node, started: float) -> ToolResult:
+        """Execute a missed call we claimed, record it, publish it to waiting sessions, maybe snapshot."""
+        try:
+            sandbox = await self._ensure_sandbox(state)
+            outcome, spent = await self._execute(sandbox, call)
+        except BaseException as error:
+            self.cache._resolve(self.graph, state, call, None, error)
+            raise
+        read_only = spec.read_only or outcome.changed_state is False
+        if not outcome.deterministic:
+            self.cache._resolve(self.graph, state, call, None, None)
+            return self._uncached_result(call, outcome, read_only, started)
+        node = self.cache._record(self.graph, state, call, outcome, spent, read_only)
+        self.cache._resolve(self.graph, state, call, node, None)
+        self.stats.misses += 1
+        self.cache._count("misses")
+        if not node.read_only:
+            self.state = node
+            self._sandbox_state = node
+            await self._maybe_snapshot(sandbox, node)
+        seconds = time.perf_counter() - started
+        self.stats.seconds += seconds
+        return ToolResult(
+            call=call,
+            output=outcome.output,
+            is_error=outcome.is_error,
+            hit=False,
+            seconds=seconds,
+            seconds_saved=0.0,
+            cached=True,
+            node_id=node.id,
+        )
+
+    async def _execute_uncached(self, call: ToolCall, spec: ToolSpec, started: float) -> ToolResult:
+        sandbox = await self._ensure_sandbox(self.state) if self.state is not None else self._live()
+        outcome, _ = await self._execute(sandbox, call)
+        read_only = spec.read_only or outcome.changed_state is False
+        return self._uncached_result(call, outcome, read_only, started)
+
+    def _uncached_result(self, call: ToolCall, outcome: Outcome, read_only: bool, started: float) -> ToolResult:
+        if not read_only and self.state is not None:
+            # A state we cannot reproduce: every later call must run live, uncached.
+            self.state = None
+            self._sandbox_state = None
+        self.stats.uncached += 1
+        self.cache._count("uncacheable")
+        seconds = time.perf_counter() - started
+        self.stats.seconds += seconds
+        return ToolResult(
+            call=call,
+            output=outcome.output,
+            is_error=outcome.is_error,
+            hit=False,
+            seconds=seconds,
+            seconds_saved=0.0,
+            cached=False,
+        )
+
+    async def _execute(self, sandbox: Sandbox, call: ToolCall) -> tuple[Outcome, float]:
+        began = time.perf_counter()
+        try:
+            outcome = await sandbox.execute(call)
+        except SandboxError:
+            await self._stop_sandbox()
+            raise
+        except Exception as error:
+            await self._stop_sandbox()
+            raise SandboxError(f"task {self.task_id!r}: sandbox failed executing {call}: {error!r}") from error
+        spent = time.perf_counter() - began
+        self.cache._account(executed=spent)
+        return outcome, spent
+
+    def _live(self) -> Sandbox:
+        if self._sandbox is None:
+            raise SandboxError(
+                f"task {self.task_id!r}: the rollout left the cached paths and its sandbox is gone "
+                "(it failed earlier); start a new rollout"
+            )
+        return self._sandbox
+
+    # ------------------------------------------------------- sandboxes
+
+    async def _ensure_sandbox(self, target: Node) -> Sandbox:
+        """Return the live sandbox in state ``target``, creating or catching it up by the cheapest route."""
+        if self._sandbox is not None and self._sandbox_state is target:
+            return self._sandbox
+        live, base = self._sandbox, self._sandbox_state
+        if live is not None and base is not None and _is_ancestor(base, target):
+            catch_up = self.graph.replay_seconds(target, since=base)
+            if catch_up <= self._fresh_cost(target):
+                await self._replay(live, base, target, live=True)
+                return live
+        await self._stop_sandbox()
+        sandbox, base = await self._fresh_sandbox(target)
+        self._sandbox, self._sandbox_state = sandbox, base
+        await self._replay(sandbox, base, target, live=True)
+        return sandbox
+
+    def _fresh_cost(self, target: Node) -> float:
+        """Expected seconds to reach ``target`` in a new sandbox (fork the nearest snapshot, or start)."""
+        return self._costs.rebuild_seconds(self.graph, target)
+
+    async def _fresh_sandbox(self, target: Node) -> tuple[Sandbox, Node]:
+        """A new sandbox at ``target`` or an ancestor of it (returned as the base to replay from)."""
+        graph = self.graph
+        lease = self.cache._lease_snapshot(target, self.factory.kind)
+        try:
+            if lease is not None:
+                fork_cost = self._costs.fork + graph.replay_seconds(target, since=lease.node)
+                start_cost = self._costs.start + graph.replay_seconds(target, since=graph.root)
+                if fork_cost <= start_cost:
+                    return await self._fork(lease)
+            return await self._start(), graph.root
+        finally:
+            if lease is not None:
+                self.cache._release(lease)
+
+    async def _start(self) -> Sandbox:
+        began = time.perf_counter()
+        try:
+            sandbox = await self.factory.start()
+        except SandboxError:
+            raise
+        except Exception as error:
+            raise SandboxError(
+                f"task {self.task_id!r}: starting a {self.factory.kind} sandbox failed: {error!r}"
+            ) from error
+        self._costs.observe("start", time.perf_counter() - began)
+        self.stats.sandboxes_started += 1
+        self.cache._count("sandboxes_started")
+        return sandbox
+
+    async def _fork(self, lease: Lease) -> tuple[Sandbox, Node]:
+        """Fork the leased snapshot; if the snapshot turns out unusable, start fresh instead."""
+        node = lease.node
+        assert node.snapshot is not None
+        began = time.perf_counter()
+        try:
+            sandbox = await self.factory.fork(node.snapshot)
+        except Exception as error:
+            warnings.warn(
+                f"task {self.task_id!r}: forking the snapshot of node {node.id} failed ({error!r}); "
+                "starting fresh and replaying instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return await self._start(), self.graph.root
+        self._costs.observe("fork", time.perf_counter() - began)
+        self.stats.sandboxes_forked += 1
+        self.cache._count("sandboxes_forked")
+        return sandbox, node
+
+    async def _replay(self, sandbox: Sandbox, base: Node, target: Node, *, live: bool) -> None:
+        """Re-execute the stateful calls from ``base`` (exclusive) to ``target`` (inclusive), checking each
+        against its cached result: a difference proves the tool non-deterministic."""
+        path: list[Node] = []
+        node: Node | None = target
+        while node is not None and node is not base:
+            path.append(node)
+            node = node.parent
+        for step in reversed(path):
+            assert step.call is not None
+            try:
+                outcome = await sandbox.execute(step.call)
+            except Exception as error:
+                if live:
+                    await self._stop_sandbox()
+                raise ReplayError(step.call, self.task_id, error) from error
+            if outcome.output != step.output or outcome.is_error != step.is_error:
+                self.cache._report_divergence(self.task_id, step, outcome.output)
+            if live:
+                self._sandbox_state = step
+            self.stats.calls_replayed += 1
+            self.cache._count("calls_replayed")
+
+    async def _maybe_snapshot(self, sandbox: Sandbox, node: Node) -> None:
+        with self.cache._lock:
+            wanted = self.cache.snapshot_policy.should_snapshot(self.graph, node, self._costs)
+        if not wanted:
+            return
+        dest = self.cache._snapshot_path(self.task_id, node)
+        began = time.perf_counter()
+        try:
+            snapshot = await sandbox.snapshot(dest)
+        except Exception as error:  # a failed snapshot costs reuse, never correctness
+            warnings.warn(
+                f"task {self.task_id!r}: snapshot of node {node.id} failed: {error!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        self._costs.observe("snapshot", time.perf_counter() - began)
+        self.cache._attach_snapshot(self.graph, node, snapshot)
+
+    async def _stop_sandbox(self) -> None:
+        sandbox, self._sandbox, self._sandbox_state = self._sandbox, None, None
+        if sandbox is not None:
+            await sandbox.stop()
+
+    # ----------------------------------------------------------- audit
+
+    async def _audit(self, node: Node) -> None:
+        """Re-execute a cached call in a fresh sandbox at the state it was made in and compare."""
+        state, call = node.parent, node.call
+        assert state is not None
+        assert call is not None
+        try:
+            sandbox, base = await self._fresh_sandbox(state)
+        except Exception as error:
+            warnings.warn(
+                f"task {self.task_id!r}: audit of node {node.id} could not start: {error!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        try:
+            await self._replay(sandbox, base, state, live=False)
+            outcome = await sandbox.execute(call)
+        except Exception as error:
+            warnings.warn(
+                f"task {self.task_id!r}: audit of node {node.id} could not run: {error!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        finally:
+            await sandbox.stop()
+        finding = AuditFinding(
+            task_id=self.task_id,
+            node_id=node.id,
+            call=call,
+            cached_output=node.output,
+            fresh_output=outcome.output,
+        )
+        self.cache._report_audit(finding)
+
+
+def _is_ancestor(ancestor: Node, node: Node) -> bool:
+    current: Node | None = node
+    while current is not None:
+        if current is ancestor:
+            return True
+        current = current.parent
+    return False
+
+
+class SyncSession:
+    """The blocking twin of ``Session``, with its own event loop. Use as ``with cache.session_sync(...) as s``."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self._runner = asyncio.Runner()
+
+    @property
+    def state(self) -> Node | None:
+        return self.session.state
+
+    @property
+    def stats(self) -> SessionStats:
+        return self.session.stats
+
+    def call(self, name: str, arguments: dict[str, Any] | None = None) -> ToolResult:
+        return self._runner.run(self.session.call(name, arguments))
+
+    def test(self, fn: TestFunction, *, key: str | None = None) -> TestResult:
+        return self._runner.run(self.session.test(fn, key=key))
+
+    def close(self) -> None:
+        try:
+            if not self.session.closed:
+                self._runner.run(self.session.close())
+        finally:
+            self._runner.close()
+
+    def __enter__(self) -> SyncSession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

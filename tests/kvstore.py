@@ -1,0 +1,108 @@
+"""A small key-value sandbox backend used by the core tests to count executions exactly.
+
+It is a real backend (state, snapshots as JSON files, forks), just a trivial one: the real backends
+(SQLite, folders) are exercised by their own contract suite and the differential tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from tvcache import Outcome, SandboxError, Snapshot, ToolCall, ToolSpec, UnknownTool
+
+TOOLS = {
+    "get": ToolSpec(name="get", arguments={"key": str}),
+    "set": ToolSpec(name="set", arguments={"key": str, "value": (str, int)}),
+    "incr": ToolSpec(name="incr", arguments={"key": str}),
+    "keys": ToolSpec(name="keys", read_only=True, arguments={}),
+    "slow": ToolSpec(name="slow", arguments={"key": str, "seconds": float}),
+    "now": ToolSpec(name="now", deterministic=False, read_only=True, arguments={}),
+    "stamp": ToolSpec(name="stamp", deterministic=False, arguments={"key": str}),
+    "fail": ToolSpec(name="fail", arguments={}),
+}
+_clock = itertools.count()
+
+
+class KVSandbox:
+    def __init__(self, factory: KVFactory, data: dict[str, Any]) -> None:
+        self.factory = factory
+        self.data = data
+        self.stopped = False
+
+    async def execute(self, call: ToolCall) -> Outcome:
+        if self.stopped:
+            raise SandboxError("sandbox is stopped")
+        spec = TOOLS.get(call.name)
+        if spec is None:
+            raise UnknownTool(call.name, list(TOOLS))
+        self.factory.executed[call.name] += 1
+        args = call.arguments
+        if call.name == "fail" or self.factory.broken:
+            raise RuntimeError("the sandbox broke")
+        if call.name == "get":
+            value = self.data.get(args["key"])
+            return Outcome(output=repr(value), is_error=value is None, changed_state=False)
+        if call.name == "keys":
+            return Outcome(output=",".join(sorted(self.data)), changed_state=False)
+        if call.name == "now":
+            return Outcome(output=str(next(_clock)), changed_state=False)
+        if call.name == "slow":
+            await asyncio.sleep(args["seconds"])
+        if call.name == "stamp":
+            self.data[args["key"]] = next(_clock)
+            return Outcome(output="stamped", changed_state=True)
+        if call.name == "set":
+            self.data[args["key"]] = args["value"]
+        elif call.name in ("incr", "slow"):
+            self.data[args["key"]] = int(self.data.get(args["key"], 0)) + 1
+        return Outcome(output=f"{args['key']}={self.data.get(args['key'])}", changed_state=True)
+
+    async def snapshot(self, dest: Path) -> Snapshot:
+        dest.write_text(json.dumps(self.data))
+        return Snapshot(kind="kv", path=str(dest), bytes=dest.stat().st_size)
+
+    async def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self.factory.live -= 1
+
+    async def state_digest(self) -> str:
+        return json.dumps(self.data, sort_keys=True)
+
+
+class KVFactory:
+    kind = "kv"
+
+    def __init__(self, initial: dict[str, Any] | None = None, **cost_hints: float) -> None:
+        self.initial = initial or {}
+        self.executed: Counter[str] = Counter()
+        self.started = 0
+        self.forked = 0
+        self.live = 0
+        self.broken = False
+        self.cost_hints = cost_hints
+
+    @property
+    def tools(self) -> dict[str, ToolSpec]:
+        return TOOLS
+
+    async def start(self) -> KVSandbox:
+        self.started += 1
+        self.live += 1
+        return KVSandbox(self, dict(self.initial))
+
+    async def fork(self, snapshot: Snapshot) -> KVSandbox:
+        path = Path(snapshot.path)
+        if not path.exists():
+            raise SandboxError(f"snapshot {path} is gone")
+        self.forked += 1
+        self.live += 1
+        return KVSandbox(self, json.loads(path.read_text()))
+
+    def discard(self, snapshot: Snapshot) -> None:
+        Path(snapshot.path).unlink(missing_ok=True)

@@ -1,0 +1,345 @@
+"""Sessions over the core: laziness, coalescing, non-determinism, snapshots, budgets, audits, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from tvcache import (
+    AlwaysSnapshot,
+    Budget,
+    Cache,
+    CostAwareSnapshots,
+    InvalidTaskId,
+    InvalidToolCall,
+    NeverSnapshot,
+    NondeterminismWarning,
+    ReplayError,
+    SandboxError,
+    SessionClosed,
+    ToolSpec,
+    UnknownTool,
+)
+
+from kvstore import KVFactory
+
+ROLLOUT = [
+    ("set", {"key": "a", "value": 1}),
+    ("get", {"key": "a"}),
+    ("incr", {"key": "a"}),
+    ("get", {"key": "a"}),
+    ("keys", {}),
+]
+
+
+async def run(cache: Cache, factory: KVFactory, calls: list[tuple[str, dict]], task: str = "t") -> list:
+    async with cache.session(task, sandbox=factory) as session:
+        return [await session.call(name, args) for name, args in calls]
+
+
+def test_second_rollout_is_all_hits_and_starts_no_sandbox() -> None:
+    cache, factory = Cache(), KVFactory()
+    first = asyncio.run(run(cache, factory, ROLLOUT))
+    started = factory.started
+    second = asyncio.run(run(cache, factory, ROLLOUT))
+    assert [r.hit for r in first] == [False] * 5
+    assert [r.hit for r in second] == [True] * 5
+    assert [r.output for r in second] == [r.output for r in first]
+    assert factory.started == started == 1
+    assert factory.live == 0
+    cache.check_invariants()
+
+
+def test_read_after_write_is_not_served_the_earlier_read() -> None:
+    cache, factory = Cache(), KVFactory({"a": 0})
+    results = asyncio.run(run(cache, factory, [("get", {"key": "a"}), ("incr", {"key": "a"}), ("get", {"key": "a"})]))
+    assert [r.output for r in results] == ["0", "a=1", "1"]
+    assert results[2].hit is False
+
+
+def test_proven_read_only_calls_do_not_extend_the_path() -> None:
+    cache, factory = Cache(), KVFactory({"a": 0, "b": 5})
+    asyncio.run(run(cache, factory, [("get", {"key": "a"}), ("get", {"key": "b"}), ("incr", {"key": "a"})]))
+    results = asyncio.run(run(cache, factory, [("get", {"key": "b"}), ("incr", {"key": "a"})]))
+    assert [r.hit for r in results] == [True, True]
+
+
+def test_miss_after_hits_forks_the_snapshot_and_replays_only_the_rest() -> None:
+    cache = Cache(snapshot_policy=AlwaysSnapshot())
+    factory = KVFactory()
+    asyncio.run(run(cache, factory, ROLLOUT))
+    factory.executed.clear()
+    results = asyncio.run(run(cache, factory, [*ROLLOUT[:3], ("incr", {"key": "a"})]))
+    assert [r.hit for r in results] == [True, True, True, False]
+    assert results[-1].output == "a=3"
+    assert factory.forked == 1
+    assert factory.executed == {"incr": 1}  # forked at the snapshot after the first incr: nothing replayed
+
+
+def test_without_snapshots_a_miss_replays_from_a_fresh_sandbox() -> None:
+    cache = Cache(snapshot_policy=NeverSnapshot())
+    factory = KVFactory()
+    asyncio.run(run(cache, factory, ROLLOUT))
+    factory.executed.clear()
+    results = asyncio.run(run(cache, factory, [*ROLLOUT[:3], ("incr", {"key": "a"})]))
+    assert results[-1].output == "a=3"
+    assert factory.forked == 0
+    assert factory.executed == {"set": 1, "incr": 2}  # replayed set+incr, then executed the new incr
+    assert cache.stats().calls_replayed == 2
+
+
+def test_cost_aware_policy_snapshots_only_expensive_states() -> None:
+    cache = Cache(snapshot_policy=CostAwareSnapshots())
+    factory = KVFactory(start=0.0, fork=0.01, snapshot=0.01)
+    calls = [("set", {"key": "a", "value": 1}), ("slow", {"key": "a", "seconds": 0.05}), ("incr", {"key": "a"})]
+    asyncio.run(run(cache, factory, calls))
+    graph = cache.graph("t")
+    snapshotted = {node.call.name for node in graph.snapshot_nodes.values()}
+    # rebuilding after "slow" costs >= 50 ms > 20 ms of snapshot + fork; "set" alone costs microseconds.
+    assert "slow" in snapshotted
+    assert "set" not in snapshotted
+
+
+def test_catch_up_replays_a_lagging_live_sandbox_when_that_is_cheapest() -> None:
+    cache = Cache(snapshot_policy=NeverSnapshot())
+    factory = KVFactory(start=1.0)  # starting is expensive: catching the live sandbox up is cheaper
+    asyncio.run(run(cache, factory, [("set", {"key": "a", "value": 1}), ("incr", {"key": "a"})]))
+    factory.executed.clear()
+    calls = [
+        ("get", {"key": "z"}),  # miss: the sandbox starts at the root
+        ("set", {"key": "a", "value": 1}),  # hit: the sandbox lags behind
+        ("incr", {"key": "a"}),  # hit
+        ("incr", {"key": "a"}),  # miss: replay the two hits in the live sandbox, then execute
+    ]
+    results = asyncio.run(run(cache, factory, calls))
+    assert [r.hit for r in results] == [False, True, True, False]
+    assert results[-1].output == "a=3"
+    assert factory.started == 2  # one per rollout: no restart for the catch-up
+    assert factory.executed == {"get": 1, "set": 1, "incr": 2}
+
+
+def test_concurrent_identical_misses_execute_once() -> None:
+    cache, factory = Cache(), KVFactory()
+    slow = ("slow", {"key": "a", "seconds": 0.2})
+
+    async def main() -> list:
+        return await asyncio.gather(*(run(cache, factory, [slow]) for _ in range(6)))
+
+    results = asyncio.run(main())
+    assert factory.executed["slow"] == 1
+    assert sum(r[0].hit for r in results) == 5
+    assert sum(r[0].coalesced for r in results) == 5
+    assert {r[0].output for r in results} == {"a=1"}
+
+
+def test_coalescing_works_across_threads_with_sync_sessions() -> None:
+    cache, factory = Cache(), KVFactory()
+    outputs: list[str] = []
+    barrier = threading.Barrier(4)
+
+    def worker() -> None:
+        with cache.session_sync("t", sandbox=factory) as session:
+            barrier.wait()
+            outputs.append(session.call("slow", {"key": "k", "seconds": 0.2}).output)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert outputs == ["k=1"] * 4
+    assert factory.executed["slow"] == 1
+
+
+def test_waiters_take_over_when_the_executing_session_fails() -> None:
+    cache, factory = Cache(), KVFactory()
+
+    async def main() -> None:
+        first = cache.session("t", sandbox=factory)
+        claimed, future = cache._claim(cache.graph("t"), cache.graph("t").root, _call("incr", {"key": "a"}))
+        assert claimed
+        waiter = asyncio.create_task(first.call("incr", {"key": "a"}))
+        await asyncio.sleep(0)  # let the waiter join the claimed future
+        cache._resolve(cache.graph("t"), cache.graph("t").root, _call("incr", {"key": "a"}), None, RuntimeError("x"))
+        result = await waiter
+        assert result.output == "a=1"
+        assert result.hit is False
+        await first.close()
+
+    asyncio.run(main())
+
+
+def test_non_deterministic_tools_are_never_served_from_cache() -> None:
+    cache, factory = Cache(), KVFactory()
+    calls = [("set", {"key": "a", "value": 1}), ("now", {}), ("get", {"key": "a"})]
+    first = asyncio.run(run(cache, factory, calls))
+    second = asyncio.run(run(cache, factory, calls))
+    assert [r.hit for r in second] == [True, False, True]
+    assert second[1].cached is False
+    assert first[1].output != second[1].output
+
+
+def test_a_non_deterministic_state_change_leaves_the_cached_paths() -> None:
+    cache, factory = Cache(), KVFactory()
+    calls = [("set", {"key": "a", "value": 1}), ("stamp", {"key": "s"}), ("get", {"key": "s"})]
+    asyncio.run(run(cache, factory, calls))
+    second = asyncio.run(run(cache, factory, calls))
+    assert [r.hit for r in second] == [True, False, False]
+    assert [r.cached for r in second] == [True, False, False]
+    assert all(node.call.name != "get" for node in cache.graph("t").nodes() if node.call)
+
+
+def test_test_results_are_cached_per_state() -> None:
+    cache, factory = Cache(), KVFactory()
+    checks = 0
+
+    def reward(sandbox) -> int:
+        nonlocal checks
+        checks += 1
+        return sandbox.data.get("a", 0) * 10
+
+    async def rollout(calls):
+        async with cache.session("t", sandbox=factory) as session:
+            for name, args in calls:
+                await session.call(name, args)
+            return await session.test(reward, key="reward")
+
+    one = asyncio.run(rollout(ROLLOUT[:3]))
+    two = asyncio.run(rollout(ROLLOUT[:3]))
+    three = asyncio.run(rollout(ROLLOUT[:1]))
+    assert (one.value, one.hit) == (20, False)
+    assert (two.value, two.hit) == (20, True)
+    assert (three.value, three.hit) == (10, False)
+    assert checks == 2
+
+
+def test_budget_evicts_low_reuse_snapshots_and_frees_their_files() -> None:
+    cache = Cache(snapshot_policy=AlwaysSnapshot(), budget=Budget(max_snapshots_per_task=2))
+    factory = KVFactory()
+    calls = [("incr", {"key": "a"})] * 5
+    asyncio.run(run(cache, factory, calls))
+    graph = cache.graph("t")
+    assert len(graph.snapshot_nodes) == 2
+    assert cache.stats().snapshots_evicted == 3
+    files = list(cache.snapshot_root.rglob("*"))
+    assert len([f for f in files if f.is_file()]) == 2
+    cache.check_invariants()
+
+
+def test_leased_snapshots_are_never_evicted() -> None:
+    cache = Cache(snapshot_policy=AlwaysSnapshot(), budget=Budget(max_snapshots_per_task=1))
+    factory = KVFactory()
+    asyncio.run(run(cache, factory, [("incr", {"key": "a"})]))
+    graph = cache.graph("t")
+    (node,) = graph.snapshot_nodes.values()
+    lease = cache._lease_snapshot(node, "kv")
+    assert lease is not None
+    asyncio.run(run(cache, factory, [("set", {"key": "b", "value": 2})]))
+    assert node.snapshot is not None  # leased: kept even though the budget is exceeded
+    cache._release(lease)
+    asyncio.run(run(cache, factory, [("set", {"key": "c", "value": 3})]))
+    assert node.snapshot is None
+
+
+def test_audit_finds_a_tool_mis_declared_deterministic() -> None:
+    cache = Cache(audit_rate=1.0, tools=[ToolSpec(name="now", read_only=True, deterministic=True)])
+    factory = KVFactory()
+    asyncio.run(run(cache, factory, [("now", {})]))
+    with pytest.warns(NondeterminismWarning):
+        asyncio.run(run(cache, factory, [("now", {})]))
+    assert cache.stats().audit_disagreements == 1
+    assert "now" in cache.nondeterministic_tools
+    third = asyncio.run(run(cache, factory, [("now", {})]))
+    assert third[0].hit is False
+
+
+def test_audit_of_deterministic_tools_agrees() -> None:
+    cache, factory = Cache(audit_rate=1.0), KVFactory()
+    asyncio.run(run(cache, factory, ROLLOUT))
+    asyncio.run(run(cache, factory, ROLLOUT))
+    stats = cache.stats()
+    assert stats.audits == 5
+    assert stats.audit_disagreements == 0
+    assert factory.live == 0
+
+
+def test_replay_failure_is_reported_and_leaves_the_cache_consistent() -> None:
+    cache = Cache(snapshot_policy=NeverSnapshot())
+    factory = KVFactory()
+    asyncio.run(run(cache, factory, [("incr", {"key": "a"}), ("incr", {"key": "a"})]))
+    before = len(cache.graph("t"))
+    factory.broken = True
+
+    async def rollout() -> None:
+        async with cache.session("t", sandbox=factory) as session:
+            await session.call("incr", {"key": "a"})
+            await session.call("incr", {"key": "a"})
+            with pytest.raises(ReplayError, match="replaying"):
+                await session.call("set", {"key": "b", "value": 1})
+
+    asyncio.run(rollout())
+    assert len(cache.graph("t")) == before
+    assert factory.live == 0
+    cache.check_invariants()
+
+
+def test_a_broken_sandbox_raises_sandbox_error_and_nothing_is_cached() -> None:
+    cache, factory = Cache(), KVFactory()
+
+    async def rollout() -> None:
+        async with cache.session("t", sandbox=factory) as session:
+            with pytest.raises(SandboxError, match="fail"):
+                await session.call("fail", {})
+
+    asyncio.run(rollout())
+    assert len(cache.graph("t")) == 1
+    assert factory.live == 0
+
+
+def test_tool_errors_are_results_and_cached() -> None:
+    cache, factory = Cache(), KVFactory()
+    first = asyncio.run(run(cache, factory, [("get", {"key": "missing"})]))
+    second = asyncio.run(run(cache, factory, [("get", {"key": "missing"})]))
+    assert first[0].is_error
+    assert second[0].is_error
+    assert second[0].hit
+
+
+def test_bad_input_gets_clear_errors() -> None:
+    cache, factory = Cache(), KVFactory()
+
+    async def rollout() -> None:
+        async with cache.session("t", sandbox=factory) as session:
+            with pytest.raises(UnknownTool, match="declared tools are: fail, get"):
+                await session.call("rm", {})
+            with pytest.raises(InvalidToolCall, match="missing required argument"):
+                await session.call("get", {})
+            with pytest.raises(InvalidToolCall, match="must be string"):
+                await session.call("get", {"key": 3})
+            with pytest.raises(InvalidToolCall, match="not JSON-representable"):
+                await session.call("get", {"key": {1, 2}})
+            assert session.history == []
+        with pytest.raises(SessionClosed):
+            await session.call("get", {"key": "a"})
+
+    asyncio.run(rollout())
+    with pytest.raises(InvalidTaskId):
+        cache.graph("")
+
+
+def test_closing_the_cache_removes_in_memory_snapshots(tmp_path: Path) -> None:
+    cache = Cache(snapshot_policy=AlwaysSnapshot())
+    asyncio.run(run(cache, KVFactory(), ROLLOUT))
+    root = cache.root
+    assert any(root.rglob("*"))
+    cache.close()
+    assert not root.exists()
+
+
+def _call(name: str, args: dict):
+    from tvcache import ToolCall
+
+    return ToolCall(name, args)
