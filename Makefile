@@ -18,16 +18,16 @@ demo: $(STAMP)
 	$(VENV)/bin/tvcache demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff format --check src tests benchmarks
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy
 
 test: lint
 	$(PY) -m pytest -q -m 'not slow'
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format src tests benchmarks
-	$(VENV)/bin/ruff check --fix src tests benchmarks
+	$(VENV)/bin/ruff format src tests
+	$(VENV)/bin/ruff check --fix src tests
 
 bench: $(STAMP)
 	$(VENV)/bin/tvcache bench lookup

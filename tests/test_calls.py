@@ -462,3 +462,17 @@ def test_spec_is_frozen() -> None:
         SPEC.read_only = False  # type: ignore[misc]
     assert SPEC.deterministic is True
     assert ToolSpec(name="x").read_only is False
+
+
+def test_from_json_requires_an_object() -> None:
+    for text in ("null", "[]", "3", '"x"'):
+        with pytest.raises(InvalidToolCall, match="must be a JSON object"):
+            ToolCall.from_json("t", text)
+
+
+def test_a_number_argument_accepts_integers_but_not_booleans() -> None:
+    spec = ToolSpec(name="wait", arguments={"seconds": float})
+    spec.validate(ToolCall("wait", {"seconds": 3}))
+    spec.validate(ToolCall("wait", {"seconds": 2.5}))
+    with pytest.raises(InvalidToolCall, match="must be number"):
+        spec.validate(ToolCall("wait", {"seconds": True}))

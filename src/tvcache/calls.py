@@ -27,24 +27,45 @@ def stable_digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()
 
 
-def _check_json(value: Any, where: str) -> None:
-    """Reject anything that would not survive a JSON round trip unchanged."""
-    if value is None or isinstance(value, bool | int | str):
-        return
+MAX_DEPTH = 64
+_MAX_INT_BITS = 13_000  # about 4,000 decimal digits: below Python's int-to-str conversion limit
+
+
+def _check_text(text: str, where: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError as error:
+            raise InvalidToolCall(f"{where} contains a lone surrogate ({error.reason}), which is not UTF-8") from error
+
+
+def _plain(value: Any, where: str, depth: int = 0) -> Any:
+    """A plain-JSON copy of ``value`` (dicts and lists), or InvalidToolCall naming the offending path."""
+    if isinstance(value, str):
+        _check_text(value, f"argument {where}")
+        return value
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if value.bit_length() > _MAX_INT_BITS:
+            raise InvalidToolCall(f"argument {where} is an integer too large to serialise; pass it as a string")
+        return value
     if isinstance(value, float):
         if not math.isfinite(value):
             raise InvalidToolCall(f"argument {where} is {value!r}, which JSON cannot represent; use a string")
-        return
+        return value
+    if depth >= MAX_DEPTH:
+        raise InvalidToolCall(f"argument {where} is nested more than {MAX_DEPTH} levels deep")
     if isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            _check_json(item, f"{where}[{index}]")
-        return
+        return [_plain(item, f"{where}[{index}]", depth + 1) for index, item in enumerate(value)]
     if isinstance(value, Mapping):
+        plain = {}
         for key, item in value.items():
             if not isinstance(key, str):
                 raise InvalidToolCall(f"argument {where} has a non-string key {key!r}; JSON keys are strings")
-            _check_json(item, f"{where}.{key}")
-        return
+            _check_text(key, f"a key of argument {where}")
+            plain[key] = _plain(item, f"{where}.{key}", depth + 1)
+        return plain
     raise InvalidToolCall(
         f"argument {where} is a {type(value).__name__} ({value!r:.60}), which is not JSON-representable; "
         "pass strings, numbers, booleans, null, lists and string-keyed objects only"
@@ -53,8 +74,8 @@ def _check_json(value: Any, where: str) -> None:
 
 def canonical_json(value: Any) -> bytes:
     """Canonical UTF-8 JSON: sorted keys, no insignificant whitespace, shortest round-trip floats."""
-    _check_json(value, "arguments")
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    plain = _plain(value, "arguments")
+    return json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
 class ToolCall:
@@ -72,7 +93,8 @@ class ToolCall:
 
     def __init__(self, name: str, arguments: Mapping[str, Any] | None = None) -> None:
         if not isinstance(name, str) or not name or len(name) > 256:
-            raise InvalidToolCall(f"tool name must be a non-empty string of at most 256 characters, got {name!r}")
+            raise InvalidToolCall(f"tool name must be a non-empty string of at most 256 characters, got {name!r:.80}")
+        _check_text(name, "tool name")
         if arguments is None:
             arguments = {}
         if not isinstance(arguments, Mapping):
@@ -89,8 +111,10 @@ class ToolCall:
         """Build a call from arguments given as JSON text (as LLM tool calls arrive)."""
         try:
             arguments = json.loads(arguments_json)
-        except (ValueError, TypeError) as error:
-            raise InvalidToolCall(f"arguments of {name!r} are not valid JSON: {error}") from error
+        except (ValueError, TypeError, RecursionError) as error:
+            raise InvalidToolCall(f"arguments of {name!r:.80} are not valid JSON: {error}") from error
+        if not isinstance(arguments, dict):
+            raise InvalidToolCall(f"arguments of {name!r:.80} must be a JSON object, got {type(arguments).__name__}")
         return cls(name, arguments)
 
     @property
@@ -112,6 +136,9 @@ class ToolCall:
         return self.digest.hex()
 
     def __setattr__(self, key: str, value: object) -> None:
+        raise AttributeError("ToolCall is immutable")
+
+    def __delattr__(self, key: str) -> None:
         raise AttributeError("ToolCall is immutable")
 
     def __eq__(self, other: object) -> bool:
@@ -173,6 +200,8 @@ class ToolSpec:
         for key, value in given.items():
             expected = known[key]
             types = expected if isinstance(expected, tuple) else (expected,)
+            if float in types and int not in types:
+                types = (*types, int)  # a JSON number: LLMs write 3 where 3.0 is meant
             # bool is an int in Python but not in JSON schemas: only accept it where bool is expected.
             wrong_bool = isinstance(value, bool) and bool not in types
             if wrong_bool or not isinstance(value, types):

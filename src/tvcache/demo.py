@@ -186,7 +186,10 @@ def _per_epoch(run: RunResult, epochs: int) -> list[dict[str, Any]]:
 
 def _mismatches(reference: RunResult, other: RunResult, epoch: int) -> int:
     """Calls whose output (or whose very call) differs from the uncached run at the same position."""
-    key = lambda r: (r.epoch, r.task, r.rollout, r.step)  # noqa: E731
+
+    def key(record: CallRecord) -> tuple[int, str, int, int]:
+        return (record.epoch, record.task, record.rollout, record.step)
+
     expected = {key(r): (r.call, r.output) for r in reference.records if r.epoch == epoch}
     actual = {key(r): (r.call, r.output) for r in other.records if r.epoch == epoch}
     return sum(1 for k in expected.keys() | actual.keys() if expected.get(k) != actual.get(k))

@@ -114,7 +114,8 @@ class MatchResult:
     ``hit``: the whole history matched and ``node`` holds the last call's cached result.
     ``state``: the deepest state reached by the matched prefix — where execution resumes on a miss.
     ``matched``: how many calls of the history matched (== len(history) on a hit).
-    ``snapshot``: the deepest node at or above ``state`` holding a snapshot, or None.
+    ``snapshot``: on a miss, the deepest node at or above ``state`` holding a snapshot (where a sandbox can be
+    forked to resume), or None; always None on a hit, which needs no sandbox.
     """
 
     hit: bool

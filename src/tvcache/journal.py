@@ -125,6 +125,8 @@ class Journal:
         """Atomically replace the journal with ``records`` (compaction). Returns how many were written."""
         tmp = self.path.with_suffix(".compact")
         count = 0
+        if self._lock_fd < 0:
+            raise JournalError(f"journal {self.path} is closed; it cannot be rewritten")
         with self._lock, open(tmp, "wb") as handle:
             for record in records:
                 handle.write(_encode(record))

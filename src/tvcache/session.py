@@ -190,6 +190,9 @@ class Session:
             return self._uncached_result(call, outcome, read_only, started)
         node = self.cache._record(self.graph, state, call, outcome, spent, read_only)
         self.cache._resolve(self.graph, state, call, node, None)
+        if node.output != outcome.output or node.is_error != outcome.is_error:
+            # Someone recorded this call in this state earlier with another result: the tool is not deterministic.
+            self.cache._report_divergence(self.task_id, node, outcome.output)
         self.stats.misses += 1
         self.cache._count("misses")
         if not node.read_only:

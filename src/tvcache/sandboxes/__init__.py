@@ -1,1 +1,10 @@
-"""Sandbox backends. Each implements the protocol in ``tvcache.protocol``."""
+"""Sandbox backends. Each implements the protocol in ``tvcache.protocol``.
+
+- ``SQLiteSandbox``: a private in-memory copy of a SQLite database, one ``sql`` tool.
+- ``FolderSandbox``: a private copy of a template directory, a ``sh`` tool plus Python ``FolderTool``s.
+"""
+
+from .folder import FolderSandbox, FolderSandboxFactory, FolderTool
+from .sqlite import SQLiteSandbox, SQLiteSandboxFactory
+
+__all__ = ["FolderSandbox", "FolderSandboxFactory", "FolderTool", "SQLiteSandbox", "SQLiteSandboxFactory"]

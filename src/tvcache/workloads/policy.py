@@ -27,7 +27,7 @@ class Trajectory:
 class GroupPolicy:
     """Tabular softmax policy: logits[task][(step, previous action)][action]."""
 
-    def __init__(self, *, learning_rate: float = 0.6, temperature: float = 1.0) -> None:
+    def __init__(self, *, learning_rate: float = 4.0, temperature: float = 1.0) -> None:
         self.learning_rate = learning_rate
         self.temperature = temperature
         self._logits: dict[str, dict[tuple[int, int], list[float]]] = {}

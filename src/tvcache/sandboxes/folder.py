@@ -1,0 +1,536 @@
+"""Folder sandboxes: each sandbox is a private copy of a template directory, driven by shell commands.
+
+The built-in ``sh`` tool runs ``bash -c cmd`` inside the folder. The folder's files are the *whole* state, so
+anything that could hold state elsewhere is cut off:
+
+- every command is a fresh process: no shell variables, functions, ``cd`` or aliases carry over between calls;
+- the environment is fixed (``PATH``, ``HOME`` = the folder, ``LANG``/``LC_ALL`` = C.UTF-8, ``TZ`` = UTC) and
+  nothing is inherited from the host process; stdin is ``/dev/null``;
+- each command runs in its own process group, which is killed (SIGKILL) as soon as the command ends or times
+  out, so background processes cannot keep running or writing. A process that deliberately leaves the group
+  (``setsid``) escapes this; when it still holds the output pipe the call reports it and is non-deterministic.
+
+What the sandbox cannot see: commands that read the clock, randomness or the network return different results
+for the same state. ``sh`` is still declared deterministic (otherwise nothing could be cached); keep such commands
+out of cached tools or wrap them in a ``FolderTool`` declared ``deterministic=False``.
+
+State changes are *proved*, not guessed: unless a tool is declared read-only, the folder is digested before and
+after the call (paths, types, modes, sizes, mtimes, contents and link targets; not access times).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import inspect
+import os
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from ..calls import ToolCall, ToolSpec
+from ..errors import InvalidToolCall, SandboxError, UnknownTool
+from ..protocol import Outcome, Snapshot
+
+__all__ = ["SH_TOOL", "FolderSandbox", "FolderSandboxFactory", "FolderTool", "digest_folder"]
+
+KIND = "folder"
+DIGEST_BYTES = 16
+FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
+# How long to wait for the output pipe to close after the process group was killed.
+_DRAIN_SECONDS = 2.0
+_CHUNK = 1 << 16
+
+SH_TOOL = ToolSpec(
+    name="sh",
+    arguments={"cmd": str},
+    optional_arguments={"timeout": (int, float)},
+    read_only=False,
+    deterministic=True,
+    description=(
+        "Run a bash command in the working folder and return its combined stdout and stderr. Each call is a "
+        "fresh process: shell state and background processes do not survive the call. Optional 'timeout' in "
+        "seconds (capped by the sandbox limit)."
+    ),
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FolderTool:
+    """A Python tool over the sandbox folder: ``fn(folder, **arguments) -> str``, run in a worker thread."""
+
+    fn: Callable[..., str]
+    spec: ToolSpec
+
+    @classmethod
+    def wrap(
+        cls,
+        fn: Callable[..., str],
+        *,
+        name: str | None = None,
+        read_only: bool = False,
+        deterministic: bool = True,
+        arguments: Mapping[str, type | tuple[type, ...]] | None = None,
+        optional_arguments: Mapping[str, type | tuple[type, ...]] | None = None,
+        description: str | None = None,
+    ) -> FolderTool:
+        """A tool named after ``fn`` (or ``name``), described by its docstring unless ``description`` is given."""
+        spec = ToolSpec(
+            name=name or fn.__name__,
+            read_only=read_only,
+            deterministic=deterministic,
+            description=description if description is not None else inspect.getdoc(fn) or "",
+            arguments=arguments,
+            optional_arguments=dict(optional_arguments or {}),
+        )
+        return cls(fn=fn, spec=spec)
+
+
+def digest_folder(folder: Path) -> str:
+    """blake2b over the sorted tree: relative path, type, mode, size, mtime_ns, content or link target.
+
+    Access times are left out (reading a file is not a change); directory sizes too (they depend on the
+    filesystem, not on the content).
+    """
+    hasher = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    _digest_entry(hasher, os.fsencode(folder), b".", os.lstat(folder))
+    return hasher.hexdigest()
+
+
+def _frame(hasher: Any, data: bytes) -> None:
+    hasher.update(len(data).to_bytes(8, "little"))
+    hasher.update(data)
+
+
+def _digest_entry(hasher: Any, path: bytes, relative: bytes, info: os.stat_result) -> None:
+    mode = info.st_mode
+    if stat.S_ISDIR(mode):
+        kind, size = b"d", 0
+    elif stat.S_ISREG(mode):
+        kind, size = b"f", info.st_size
+    elif stat.S_ISLNK(mode):
+        kind, size = b"l", info.st_size
+    else:
+        kind, size = b"o", 0
+    _frame(hasher, relative)
+    _frame(hasher, b"%s %o %d %d" % (kind, stat.S_IMODE(mode), size, info.st_mtime_ns))
+    try:
+        if kind == b"f":
+            content = hashlib.blake2b(digest_size=DIGEST_BYTES)
+            with open(path, "rb") as file:
+                while chunk := file.read(_CHUNK):
+                    content.update(chunk)
+            _frame(hasher, content.digest())
+        elif kind == b"l":
+            _frame(hasher, os.readlink(path))
+        elif kind == b"d":
+            with os.scandir(path) as scan:
+                entries = sorted(scan, key=lambda entry: entry.name)
+            _frame(hasher, b"%d" % len(entries))
+            for entry in entries:
+                name = os.fsencode(entry.name)
+                _digest_entry(
+                    hasher, os.path.join(path, name), relative + b"/" + name, entry.stat(follow_symlinks=False)
+                )
+    except OSError as error:  # unreadable (chmod 000): its metadata above still tells changes apart
+        _frame(hasher, f"<unreadable: {error.strerror}>".encode())
+
+
+def _folder_bytes(folder: Path) -> int:
+    total = 0
+    for directory, _, files in os.walk(folder):
+        for name in files:
+            info = os.lstat(os.path.join(directory, name))
+            if stat.S_ISREG(info.st_mode):
+                total += info.st_size
+    return total
+
+
+def _remove_tree(path: Path) -> None:
+    """rmtree that also removes directories a command made read-only (``chmod -w``)."""
+
+    def make_writable_and_retry(function: Callable[[str], object], target: str, _: object) -> None:
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(target), 0o700)
+            if os.path.isdir(target) and not os.path.islink(target):
+                os.chmod(target, 0o700)
+                shutil.rmtree(target, ignore_errors=True)
+            else:
+                function(target)
+
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif not path.exists():
+        return
+    elif sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=make_writable_and_retry)
+    else:
+        shutil.rmtree(path, onerror=make_writable_and_retry)
+
+
+def _copy_folder(source: Path, dest: Path) -> None:
+    """Copy a tree keeping symlinks as links and modes and mtimes as they are; dest must not exist."""
+    try:
+        shutil.copytree(source, dest, symlinks=True)
+    except (shutil.Error, OSError) as error:
+        _remove_tree(dest)
+        raise SandboxError(
+            f"cannot copy {source} to {dest}: {error}; special files (pipes, sockets) cannot be copied, "
+            "and the disk may be full"
+        ) from error
+
+
+def _kill_group(group: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signal.SIGKILL)
+
+
+def _wait_unreaped(process: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait up to ``timeout`` for the process to exit, without reaping it when possible.
+
+    An unreaped child keeps its pid, which is also its process group id, so killing the group afterwards can
+    never hit an unrelated group that reused the number.
+    """
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):  # not Linux >= 5.3: fall back to reaping, with a negligible reuse race
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout)
+        return bool(ready)
+    finally:
+        os.close(pidfd)
+
+
+class _OutputReader(threading.Thread):
+    """Drains a pipe to EOF, keeping the first ``limit`` bytes and counting the rest."""
+
+    def __init__(self, fd: int, limit: int) -> None:
+        super().__init__(daemon=True)
+        self._fd = fd
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._kept = bytearray()
+        self.total = 0
+
+    def run(self) -> None:
+        try:
+            while chunk := os.read(self._fd, _CHUNK):
+                with self._lock:
+                    room = self._limit - len(self._kept)
+                    if room > 0:
+                        self._kept += chunk[:room]
+                    self.total += len(chunk)
+        finally:
+            os.close(self._fd)
+
+    def result(self) -> tuple[bytes, int]:
+        with self._lock:
+            return bytes(self._kept), self.total
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _ShellResult:
+    output: bytes
+    total_bytes: int
+    returncode: int
+    timed_out: bool
+    escaped: bool
+
+
+def _run_shell(
+    bash: str, folder: Path, command: str, timeout: float, limit: int, live_groups: set[int]
+) -> _ShellResult:
+    environment = {"PATH": FIXED_PATH, "HOME": str(folder), "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TZ": "UTC"}
+    process = subprocess.Popen(
+        [bash, "-c", command],
+        cwd=folder,
+        env=environment,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    if process.stdout is None:  # cannot happen with stdout=PIPE; narrows the type
+        raise SandboxError("bash started without an output pipe")
+    reader = _OutputReader(os.dup(process.stdout.fileno()), limit)  # the reader owns and closes its copy
+    process.stdout.close()
+    live_groups.add(process.pid)
+    reader.start()
+    try:
+        exited = _wait_unreaped(process, timeout)
+    finally:
+        _kill_group(process.pid)  # always: whatever the command left running in its group goes too
+        returncode = process.wait()
+        live_groups.discard(process.pid)
+    reader.join(_DRAIN_SECONDS)
+    output, total = reader.result()
+    return _ShellResult(
+        output=output, total_bytes=total, returncode=returncode, timed_out=not exited, escaped=reader.is_alive()
+    )
+
+
+def _render_shell(result: _ShellResult, limit: int, timeout: float) -> Outcome:
+    text = result.output.decode("utf-8", errors="replace")
+    notes = []
+    if result.total_bytes > limit:
+        notes.append(f"[output truncated: first {limit} of {result.total_bytes} bytes shown]")
+    is_error, deterministic = False, True
+    if result.timed_out:
+        # How far the command got depends on timing, so neither output nor state can be reproduced.
+        notes.append(f"[timed out after {timeout:g}s]")
+        is_error, deterministic = True, False
+    elif result.returncode > 0:
+        notes.append(f"[exit code {result.returncode}]")
+        is_error = True
+    elif result.returncode < 0:
+        notes.append(f"[killed by signal {-result.returncode}]")
+        is_error = True
+    if result.escaped:
+        notes.append("[warning: a process left the command's process group and still runs]")
+        deterministic = False
+    if notes:
+        if text and not text.endswith("\n"):
+            text += "\n"
+        text += "\n".join(notes)
+    return Outcome(output=text, is_error=is_error, deterministic=deterministic)
+
+
+class FolderSandboxFactory:
+    """Starts folder sandboxes from a template directory (never modified) and forks them from snapshots.
+
+    Sandbox folders live under a private temp root (``root``), removed by ``close()``, when the factory is
+    garbage collected, or at interpreter exit.
+    """
+
+    kind: str = KIND
+
+    def __init__(
+        self,
+        template_dir: str | os.PathLike[str],
+        *,
+        tools: Mapping[str, FolderTool] | None = None,
+        timeout: float = 60.0,
+        prove_read_only: bool = True,
+        max_output_bytes: int = 1_000_000,
+    ) -> None:
+        template = Path(template_dir)
+        if not template.is_dir():
+            raise SandboxError(f"folder template {template} does not exist or is not a directory")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if max_output_bytes < 1:
+            raise ValueError(f"max_output_bytes must be >= 1, got {max_output_bytes}")
+        bash = shutil.which("bash", path=FIXED_PATH)
+        if bash is None:
+            raise SandboxError(f"bash was not found on {FIXED_PATH}; install bash to use folder sandboxes")
+        extra = dict(tools or {})
+        for name, tool in extra.items():
+            if name != tool.spec.name:
+                raise ValueError(f"tool registered as {name!r} but its spec is named {tool.spec.name!r}")
+            if name == SH_TOOL.name:
+                raise ValueError(f"{name!r} is the built-in shell tool; give the extra tool another name")
+        self.template = template
+        self.timeout = float(timeout)
+        self.prove_read_only = prove_read_only
+        self.max_output_bytes = max_output_bytes
+        self.bash = bash
+        self.extra_tools: Mapping[str, FolderTool] = MappingProxyType(extra)
+        self._tools: Mapping[str, ToolSpec] = MappingProxyType(
+            {SH_TOOL.name: SH_TOOL, **{name: tool.spec for name, tool in extra.items()}}
+        )
+        # Rough priors in seconds for a small template; the cache replaces them with measurements.
+        self.cost_hints: dict[str, float] = {"start": 0.005, "fork": 0.005, "snapshot": 0.005}
+        self._root = Path(tempfile.mkdtemp(prefix="tvcache-folder-"))
+        self._cleanup = weakref.finalize(self, _remove_tree, self._root)
+
+    @property
+    def tools(self) -> Mapping[str, ToolSpec]:
+        return self._tools
+
+    @property
+    def root(self) -> Path:
+        """The temp directory holding every live sandbox folder of this factory."""
+        return self._root
+
+    async def start(self) -> FolderSandbox:
+        return await self._spawn(self.template)
+
+    async def fork(self, snapshot: Snapshot) -> FolderSandbox:
+        if snapshot.kind != KIND:
+            raise SandboxError(f"cannot fork a folder sandbox from a {snapshot.kind!r} snapshot; use its own backend")
+        path = Path(snapshot.path)
+        if not path.is_dir():
+            raise SandboxError(
+                f"snapshot folder {path} is missing (discarded or deleted); rebuild the state by replaying its calls"
+            )
+        return await self._spawn(path)
+
+    def discard(self, snapshot: Snapshot) -> None:
+        _remove_tree(Path(snapshot.path))
+
+    def close(self) -> None:
+        """Remove the temp root and every sandbox folder in it; live sandboxes of this factory stop working."""
+        self._cleanup()
+
+    async def _spawn(self, source: Path) -> FolderSandbox:
+        if not self._cleanup.alive:
+            raise SandboxError("this folder sandbox factory was closed; create a new one")
+
+        def copy() -> Path:
+            folder = Path(tempfile.mkdtemp(dir=self._root, prefix="sandbox-"))
+            folder.rmdir()  # copytree creates it, with the source's mode and mtime
+            _copy_folder(source, folder)
+            return folder
+
+        return FolderSandbox(self, await asyncio.to_thread(copy))
+
+    def __repr__(self) -> str:
+        return f"FolderSandboxFactory({str(self.template)!r}, tools={sorted(self._tools)})"
+
+
+class FolderSandbox:
+    """One private working folder. Calls are serialised; blocking work runs in worker threads."""
+
+    def __init__(self, factory: FolderSandboxFactory, folder: Path) -> None:
+        self._factory = factory
+        self._folder: Path | None = folder
+        self._lock = asyncio.Lock()
+        self._live_groups: set[int] = set()
+        # The digest after the last proved call: nothing touches the folder between calls, so it is the next
+        # call's "before" digest, which halves the digesting work.
+        self._last_digest: str | None = None
+
+    @classmethod
+    def factory(
+        cls,
+        template_dir: str | os.PathLike[str],
+        *,
+        tools: Mapping[str, FolderTool] | None = None,
+        timeout: float = 60.0,
+        prove_read_only: bool = True,
+        max_output_bytes: int = 1_000_000,
+    ) -> FolderSandboxFactory:
+        """A factory of sandboxes copied from ``template_dir``, serving ``sh`` plus the extra ``tools``.
+
+        ``timeout`` is the default and maximum seconds per ``sh`` call; ``prove_read_only`` digests the folder
+        around each call not declared read-only to report whether it changed anything.
+        """
+        return FolderSandboxFactory(
+            template_dir,
+            tools=tools,
+            timeout=timeout,
+            prove_read_only=prove_read_only,
+            max_output_bytes=max_output_bytes,
+        )
+
+    @property
+    def folder(self) -> Path:
+        """The sandbox's working folder (raises SandboxError once stopped)."""
+        return self._require_open()
+
+    def _require_open(self) -> Path:
+        if self._folder is None:
+            raise SandboxError("this folder sandbox was stopped; start or fork a new one from the factory")
+        return self._folder
+
+    async def execute(self, call: ToolCall) -> Outcome:
+        spec = self._factory.tools.get(call.name)
+        if spec is None:
+            raise UnknownTool(call.name, list(self._factory.tools))
+        spec.validate(call)
+        arguments = call.arguments
+        timeout = self._factory.timeout
+        if call.name == SH_TOOL.name and "timeout" in arguments:
+            if not arguments["timeout"] > 0:
+                raise InvalidToolCall(f"tool 'sh': timeout must be > 0 seconds, got {arguments['timeout']!r}")
+            timeout = min(float(arguments["timeout"]), timeout)
+        async with self._lock:
+            folder = self._require_open()
+            prove = self._factory.prove_read_only and not spec.read_only
+            before = (self._last_digest or await asyncio.to_thread(digest_folder, folder)) if prove else None
+            self._last_digest = None
+            if call.name == SH_TOOL.name:
+                outcome = await self._run_sh(folder, arguments["cmd"], timeout)
+            else:
+                outcome = await self._run_tool(folder, self._factory.extra_tools[call.name], arguments)
+            changed: bool | None = False if spec.read_only else None
+            if prove:
+                self._last_digest = await asyncio.to_thread(digest_folder, folder)
+                changed = before != self._last_digest
+        return Outcome(
+            output=outcome.output,
+            is_error=outcome.is_error,
+            changed_state=changed,
+            deterministic=outcome.deterministic,
+        )
+
+    async def _run_sh(self, folder: Path, command: str, timeout: float) -> Outcome:
+        limit = self._factory.max_output_bytes
+        try:
+            result = await asyncio.to_thread(
+                _run_shell, self._factory.bash, folder, command, timeout, limit, self._live_groups
+            )
+        except OSError as error:
+            raise SandboxError(f"cannot run bash in {folder}: {error}; was the folder removed?") from error
+        return _render_shell(result, limit, timeout)
+
+    async def _run_tool(self, folder: Path, tool: FolderTool, arguments: dict[str, Any]) -> Outcome:
+        try:
+            output = await asyncio.to_thread(tool.fn, folder, **arguments)
+        except Exception as error:  # the tool's failure is the agent's observation, not a broken sandbox
+            return Outcome(output=f"Error: {type(error).__name__}: {error}", is_error=True)
+        if not isinstance(output, str):
+            raise SandboxError(
+                f"folder tool {tool.spec.name!r} returned {type(output).__name__}; a FolderTool must return str"
+            )
+        return Outcome(output=output)
+
+    async def snapshot(self, dest: Path) -> Snapshot:
+        dest = Path(dest)
+        async with self._lock:
+            folder = self._require_open()
+
+            def copy() -> int:
+                if dest.exists() or dest.is_symlink():
+                    raise SandboxError(f"snapshot destination {dest} already exists; pass a path that does not exist")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                partial = dest.with_name(dest.name + ".partial")
+                _remove_tree(partial)
+                _copy_folder(folder, partial)
+                os.replace(partial, dest)  # a crash never leaves a half-copied tree under the final name
+                return _folder_bytes(dest)
+
+            size = await asyncio.to_thread(copy)
+        return Snapshot(kind=KIND, path=str(dest), bytes=size)
+
+    async def state_digest(self) -> str:
+        async with self._lock:
+            folder = self._require_open()
+            self._last_digest = await asyncio.to_thread(digest_folder, folder)
+            return self._last_digest
+
+    async def stop(self) -> None:
+        async with self._lock:
+            folder, self._folder = self._folder, None
+            if folder is None:
+                return
+            for group in list(self._live_groups):  # a call whose awaiting task was cancelled may still run
+                _kill_group(group)
+            await asyncio.to_thread(_remove_tree, folder)
