@@ -189,6 +189,9 @@ class Cache:
             return model
 
     # ------------------------------------------------- operations for sessions
+    # Sessions reach the shared state only through the methods below (and ``graph``, ``costs``, ``spec``,
+    # ``is_deterministic``), so another store — a remote server — can stand behind the same session logic by
+    # providing them.
 
     def _lookup(self, graph: ToolCallGraph, state: Node, call: ToolCall) -> Node | None:
         with self._lock:
@@ -274,6 +277,16 @@ class Cache:
                 }
             )
             return node
+
+    def _lookup_test(self, graph: ToolCallGraph, node: Node, key: str) -> tuple[bool, Any]:
+        with self._lock:
+            if node.tests is not None and key in node.tests:
+                return True, node.tests[key]
+            return False, None
+
+    def _wants_snapshot(self, graph: ToolCallGraph, node: Node, costs: CostModel) -> bool:
+        with self._lock:
+            return self.snapshot_policy.should_snapshot(graph, node, costs)
 
     def _record_test(self, graph: ToolCallGraph, node: Node, key: str, value: Any) -> None:
         try:

@@ -118,8 +118,10 @@ class Session:
         key = key or getattr(fn, "__qualname__", None) or repr(fn)
         started = time.perf_counter()
         state = self.state
-        if state is not None and state.tests is not None and key in state.tests:
-            return TestResult(key=key, value=state.tests[key], hit=True, seconds=time.perf_counter() - started)
+        if state is not None:
+            found, cached = self.cache._lookup_test(self.graph, state, key)
+            if found:
+                return TestResult(key=key, value=cached, hit=True, seconds=time.perf_counter() - started)
         sandbox = await self._ensure_sandbox(state) if state is not None else self._live()
         value = fn(sandbox)
         if inspect.isawaitable(value):
@@ -355,9 +357,7 @@ class Session:
             self.cache._count("calls_replayed")
 
     async def _maybe_snapshot(self, sandbox: Sandbox, node: Node) -> None:
-        with self.cache._lock:
-            wanted = self.cache.snapshot_policy.should_snapshot(self.graph, node, self._costs)
-        if not wanted:
+        if not self.cache._wants_snapshot(self.graph, node, self._costs):
             return
         dest = self.cache._snapshot_path(self.task_id, node)
         began = time.perf_counter()
