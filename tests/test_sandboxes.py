@@ -7,7 +7,7 @@ import os
 import select
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -16,7 +16,7 @@ import pytest
 
 from tvcache.calls import ToolCall
 from tvcache.errors import InvalidToolCall, SandboxError, UnknownTool
-from tvcache.protocol import Outcome, Sandbox, SandboxFactory, Snapshot
+from tvcache.protocol import Outcome, Sandbox, SandboxFactory, Snapshot, state_digest
 from tvcache.sandboxes import FolderSandbox, FolderSandboxFactory, FolderTool, SQLiteSandbox, SQLiteSandboxFactory
 
 T = TypeVar("T")
@@ -137,7 +137,8 @@ def test_forks_are_independent_and_snapshots_frozen(backend: Backend, tmp_path: 
         await origin.execute(backend.write("fig"))
         snapshot = await origin.snapshot(tmp_path / "snap")
         assert snapshot.kind == backend.factory.kind
-        assert snapshot.exists() and snapshot.bytes > 0
+        assert snapshot.exists()
+        assert snapshot.bytes > 0
         await origin.execute(backend.write("after"))
 
         first, second = await backend.factory.fork(snapshot), await backend.factory.fork(snapshot)
@@ -155,10 +156,15 @@ def test_forks_are_independent_and_snapshots_frozen(backend: Backend, tmp_path: 
     run(main())
 
 
+async def digest(sandbox: Sandbox) -> str:
+    value = await state_digest(sandbox)
+    assert value is not None, "the backend offers no state_digest()"
+    return value
+
+
 def test_state_digest_tracks_content(backend: Backend, tmp_path: Path) -> None:
     async def main() -> None:
         one, two = await backend.factory.start(), await backend.factory.start()
-        digest: Callable[[Sandbox], Awaitable[str]] = lambda sandbox: sandbox.state_digest()  # type: ignore[attr-defined]  # noqa: E731
         initial = await digest(one)
         assert initial == await digest(two)
         await one.execute(backend.read)
@@ -330,13 +336,15 @@ def test_sqlite_truncates_long_results(tmp_path: Path) -> None:
         max_rows=10,
     )
     lines = outcome.output.splitlines()
-    assert lines[0] == "x" and lines[1:11] == [str(i) for i in range(1, 11)]
+    assert lines[0] == "x"
+    assert lines[1:11] == [str(i) for i in range(1, 11)]
     assert lines[11:] == ["... (25 rows total)"]
 
 
 def test_sqlite_refuses_several_statements_and_runs_none(tmp_path: Path) -> None:
     several, after = run_sql(tmp_path, "INSERT INTO items VALUES ('fig'); SELECT 2", "SELECT count(*) FROM items")
-    assert several.is_error and "one SQL statement per call" in several.output
+    assert several.is_error
+    assert "one SQL statement per call" in several.output
     assert several.changed_state is False
     assert after.output == "count(*)\n2"
 
@@ -354,7 +362,8 @@ def test_sqlite_refuses_several_statements_and_runs_none(tmp_path: Path) -> None
 )
 def test_sqlite_refuses_state_that_snapshots_cannot_carry(tmp_path: Path, query: str, message: str) -> None:
     refused, after = run_sql(tmp_path, query, "INSERT INTO items VALUES ('fig')")
-    assert refused.is_error and message in refused.output
+    assert refused.is_error
+    assert message in refused.output
     assert refused.changed_state is False
     assert after.output == "OK (1 row changed)"  # the next call runs in autocommit as usual
     assert not (tmp_path / "copy.sqlite").exists()
@@ -419,7 +428,8 @@ def test_sqlite_factory_fails_early_on_a_bad_base(tmp_path: Path) -> None:
 def test_sqlite_factory_type(tmp_path: Path) -> None:
     factory = SQLiteSandbox.factory(make_database(tmp_path / "db"))
     assert isinstance(factory, SQLiteSandboxFactory)
-    assert factory.kind == "sqlite" and list(factory.tools) == ["sql"]
+    assert factory.kind == "sqlite"
+    assert list(factory.tools) == ["sql"]
 
 
 # ---------------------------------------------------------------- folder
@@ -470,7 +480,8 @@ def test_folder_timeout_kills_the_whole_group(tmp_path: Path) -> None:
     started = time.perf_counter()
     (outcome,), _ = run_folder(tmp_path, sh("sleep 60 & echo $!; sleep 5", timeout=0.5))
     assert time.perf_counter() - started < 4.5
-    assert outcome.is_error and not outcome.deterministic
+    assert outcome.is_error
+    assert not outcome.deterministic
     lines = outcome.output.splitlines()
     assert lines[-1] == "[timed out after 0.5s]"
     assert process_gone(int(lines[0]))
@@ -501,8 +512,10 @@ def test_folder_environment_is_fixed_and_no_shell_state_carries_over(
 def test_folder_exit_codes_and_output(tmp_path: Path) -> None:
     (ok, failed, stderr), _ = run_folder(tmp_path, sh("cat notes.txt"), sh("echo -n partial; exit 3"), sh("ls nope"))
     assert ok == Outcome(output="line one\nline two\n", changed_state=False)
-    assert failed.output == "partial\n[exit code 3]" and failed.is_error
-    assert "No such file or directory" in stderr.output and stderr.output.endswith("[exit code 2]")
+    assert failed.output == "partial\n[exit code 3]"
+    assert failed.is_error
+    assert "No such file or directory" in stderr.output
+    assert stderr.output.endswith("[exit code 2]")
 
 
 def test_folder_output_is_capped(tmp_path: Path) -> None:
@@ -516,7 +529,9 @@ def test_folder_digest_sees_touch_and_ignores_reads(tmp_path: Path) -> None:
         tmp_path, sh("cat items/apple"), sh("touch notes.txt"), sh("chmod +x notes.txt"), sh("ln -sf items other")
     )
     assert read.changed_state is False
-    assert touch.changed_state is True and chmod.changed_state is True and link.changed_state is True
+    assert touch.changed_state is True
+    assert chmod.changed_state is True
+    assert link.changed_state is True
 
 
 def test_folder_symlinks_and_mtimes_survive_start_and_fork(tmp_path: Path) -> None:
@@ -565,7 +580,8 @@ def test_folder_python_tools(tmp_path: Path) -> None:
         tools=tools,
     )
     assert count == Outcome(output="2", changed_state=False)
-    assert missing.is_error and missing.output.startswith("Error: FileNotFoundError: ")
+    assert missing.is_error
+    assert missing.output.startswith("Error: FileNotFoundError: ")
     assert append == Outcome(output="appended", changed_state=True)
     assert recount.output == "3"
     with pytest.raises(InvalidToolCall, match="missing required"):
@@ -604,5 +620,29 @@ def test_folder_leaves_nothing_behind(tmp_path: Path) -> None:
         assert not root.exists()
         with pytest.raises(SandboxError, match="closed"):
             await factory.start()
+
+    run(main())
+
+
+def test_cancelled_calls_stop_their_work_and_leave_the_sandbox_usable(tmp_path: Path) -> None:
+    async def main() -> None:
+        database = await SQLiteSandbox.factory(make_database(tmp_path / "db")).start()
+        endless = "WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r) SELECT count(*) FROM r"
+        started = time.perf_counter()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(database.execute(sql(endless)), 0.2)
+        assert time.perf_counter() - started < 5  # interrupted, not run to the end
+        assert (await database.execute(sql("SELECT count(*) FROM items"))).output == "count(*)\n2"
+        await database.stop()
+
+        folder = await FolderSandbox.factory(make_template(tmp_path / "template")).start()
+        assert isinstance(folder, FolderSandbox)
+        started = time.perf_counter()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(folder.execute(sh("echo $$ > pid; exec sleep 30")), 0.3)
+        assert time.perf_counter() - started < 5
+        assert process_gone(int((folder.folder / "pid").read_text()))
+        assert (await folder.execute(sh("echo still here"))).output == "still here\n"
+        await folder.stop()
 
     run(main())

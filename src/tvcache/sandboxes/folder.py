@@ -255,7 +255,13 @@ class _ShellResult:
 
 
 def _run_shell(
-    bash: str, folder: Path, command: str, timeout: float, limit: int, live_groups: set[int]
+    bash: str,
+    folder: Path,
+    command: str,
+    timeout: float,
+    limit: int,
+    live_groups: set[int],
+    abandon: threading.Event,
 ) -> _ShellResult:
     environment = {"PATH": FIXED_PATH, "HOME": str(folder), "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TZ": "UTC"}
     process = subprocess.Popen(
@@ -274,7 +280,8 @@ def _run_shell(
     live_groups.add(process.pid)
     reader.start()
     try:
-        exited = _wait_unreaped(process, timeout)
+        # Registered first, checked second: a canceller either finds the group in live_groups or sees abandon set.
+        exited = _wait_unreaped(process, 0 if abandon.is_set() else timeout)
     finally:
         _kill_group(process.pid)  # always: whatever the command left running in its group goes too
         returncode = process.wait()
@@ -464,7 +471,7 @@ class FolderSandbox:
         async with self._lock:
             folder = self._require_open()
             prove = self._factory.prove_read_only and not spec.read_only
-            before = (self._last_digest or await asyncio.to_thread(digest_folder, folder)) if prove else None
+            before = (self._last_digest or await self._digest(folder)) if prove else None
             self._last_digest = None
             if call.name == SH_TOOL.name:
                 outcome = await self._run_sh(folder, arguments["cmd"], timeout)
@@ -472,7 +479,7 @@ class FolderSandbox:
                 outcome = await self._run_tool(folder, self._factory.extra_tools[call.name], arguments)
             changed: bool | None = False if spec.read_only else None
             if prove:
-                self._last_digest = await asyncio.to_thread(digest_folder, folder)
+                self._last_digest = await self._digest(folder)
                 changed = before != self._last_digest
         return Outcome(
             output=outcome.output,
@@ -483,13 +490,35 @@ class FolderSandbox:
 
     async def _run_sh(self, folder: Path, command: str, timeout: float) -> Outcome:
         limit = self._factory.max_output_bytes
-        try:
-            result = await asyncio.to_thread(
-                _run_shell, self._factory.bash, folder, command, timeout, limit, self._live_groups
+        abandon = threading.Event()
+        work = asyncio.ensure_future(
+            asyncio.to_thread(
+                _run_shell, self._factory.bash, folder, command, timeout, limit, self._live_groups, abandon
             )
+        )
+        try:
+            result = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            # A worker thread cannot be cancelled: kill the command instead, and keep the lock until the thread
+            # is done so that nothing still runs in the folder when the next call or stop() comes.
+            abandon.set()
+            for group in list(self._live_groups):
+                _kill_group(group)
+            with contextlib.suppress(Exception):
+                await work
+            raise
         except OSError as error:
             raise SandboxError(f"cannot run bash in {folder}: {error}; was the folder removed?") from error
         return _render_shell(result, limit, timeout)
+
+    async def _digest(self, folder: Path) -> str:
+        try:
+            return await asyncio.to_thread(digest_folder, folder)
+        except OSError as error:
+            raise SandboxError(
+                f"cannot read the sandbox folder {folder}: {error}; it was removed or made unreadable from outside, "
+                "so stop this sandbox and fork a new one"
+            ) from error
 
     async def _run_tool(self, folder: Path, tool: FolderTool, arguments: dict[str, Any]) -> Outcome:
         try:
@@ -523,7 +552,7 @@ class FolderSandbox:
     async def state_digest(self) -> str:
         async with self._lock:
             folder = self._require_open()
-            self._last_digest = await asyncio.to_thread(digest_folder, folder)
+            self._last_digest = await self._digest(folder)
             return self._last_digest
 
     async def stop(self) -> None:
