@@ -18,6 +18,7 @@ from tvcache.calls import ToolCall
 from tvcache.errors import InvalidToolCall, SandboxError, UnknownTool
 from tvcache.protocol import Outcome, Sandbox, SandboxFactory, Snapshot, state_digest
 from tvcache.sandboxes import FolderSandbox, FolderSandboxFactory, FolderTool, SQLiteSandbox, SQLiteSandboxFactory
+from tvcache.sandboxes._linux import overlay_supported
 
 T = TypeVar("T")
 
@@ -88,7 +89,22 @@ def folder_backend(tmp_path: Path) -> Backend:
     )
 
 
-@pytest.fixture(params=[sqlite_backend, folder_backend], ids=["sqlite", "folder"])
+def shell_backend(tmp_path: Path) -> Backend:
+    from tvcache.sandboxes import ShellSandbox
+
+    if not overlay_supported():
+        pytest.skip("overlay mounts need root on Linux >= 6.8; the shell backend falls back to FolderSandbox")
+    return Backend(
+        factory=ShellSandbox.factory(make_template(tmp_path / "base"), fallback=False),
+        read=ToolCall("sh", {"cmd": "ls items"}),
+        write=lambda name: ToolCall("sh", {"cmd": f"echo new > items/{name}"}),
+        failing=ToolCall("sh", {"cmd": "echo failing; exit 3"}),
+        bad_arguments=ToolCall("sh", {"command": "ls"}),
+        items=lambda outcome: set(outcome.output.splitlines()),
+    )
+
+
+@pytest.fixture(params=[sqlite_backend, folder_backend, shell_backend], ids=["sqlite", "folder", "shell"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     make: Callable[[Path], Backend] = request.param
     return make(tmp_path)

@@ -44,7 +44,9 @@ class Snapshot:
     meta: Mapping[str, Any] = field(default_factory=dict)
 
     def exists(self) -> bool:
-        return Path(self.path).exists()
+        """The snapshot's file and every layer it stacks (``meta["layers"]``) are still on disk."""
+        layers = self.meta.get("layers", ())
+        return Path(self.path).exists() and all(Path(layer).exists() for layer in layers)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "path": self.path, "bytes": self.bytes, "meta": dict(self.meta)}

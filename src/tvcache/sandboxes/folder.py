@@ -25,11 +25,8 @@ import contextlib
 import hashlib
 import inspect
 import os
-import select
 import shutil
-import signal
 import stat
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,14 +40,12 @@ from typing import Any
 from ..calls import ToolCall, ToolSpec
 from ..errors import InvalidToolCall, SandboxError, UnknownTool
 from ..protocol import Outcome, Snapshot
+from ._process import FIXED_PATH, fixed_environment, kill_group, render_shell, run_command
 
 __all__ = ["SH_TOOL", "FolderSandbox", "FolderSandboxFactory", "FolderTool", "digest_folder"]
 
 KIND = "folder"
 DIGEST_BYTES = 16
-FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
-# How long to wait for the output pipe to close after the process group was killed.
-_DRAIN_SECONDS = 2.0
 _CHUNK = 1 << 16
 
 SH_TOOL = ToolSpec(
@@ -190,133 +185,6 @@ def _copy_folder(source: Path, dest: Path) -> None:
             f"cannot copy {source} to {dest}: {error}; special files (pipes, sockets) cannot be copied, "
             "and the disk may be full"
         ) from error
-
-
-def _kill_group(group: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(group, signal.SIGKILL)
-
-
-def _wait_unreaped(process: subprocess.Popen[bytes], timeout: float) -> bool:
-    """Wait up to ``timeout`` for the process to exit, without reaping it when possible.
-
-    An unreaped child keeps its pid, which is also its process group id, so killing the group afterwards can
-    never hit an unrelated group that reused the number.
-    """
-    try:
-        pidfd = os.pidfd_open(process.pid)
-    except (AttributeError, OSError):  # not Linux >= 5.3: fall back to reaping, with a negligible reuse race
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
-    try:
-        ready, _, _ = select.select([pidfd], [], [], timeout)
-        return bool(ready)
-    finally:
-        os.close(pidfd)
-
-
-class _OutputReader(threading.Thread):
-    """Drains a pipe to EOF, keeping the first ``limit`` bytes and counting the rest."""
-
-    def __init__(self, fd: int, limit: int) -> None:
-        super().__init__(daemon=True)
-        self._fd = fd
-        self._limit = limit
-        self._lock = threading.Lock()
-        self._kept = bytearray()
-        self.total = 0
-
-    def run(self) -> None:
-        try:
-            while chunk := os.read(self._fd, _CHUNK):
-                with self._lock:
-                    room = self._limit - len(self._kept)
-                    if room > 0:
-                        self._kept += chunk[:room]
-                    self.total += len(chunk)
-        finally:
-            os.close(self._fd)
-
-    def result(self) -> tuple[bytes, int]:
-        with self._lock:
-            return bytes(self._kept), self.total
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _ShellResult:
-    output: bytes
-    total_bytes: int
-    returncode: int
-    timed_out: bool
-    escaped: bool
-
-
-def _run_shell(
-    bash: str,
-    folder: Path,
-    command: str,
-    timeout: float,
-    limit: int,
-    live_groups: set[int],
-    abandon: threading.Event,
-) -> _ShellResult:
-    environment = {"PATH": FIXED_PATH, "HOME": str(folder), "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TZ": "UTC"}
-    process = subprocess.Popen(
-        [bash, "-c", command],
-        cwd=folder,
-        env=environment,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    if process.stdout is None:  # cannot happen with stdout=PIPE; narrows the type
-        raise SandboxError("bash started without an output pipe")
-    reader = _OutputReader(os.dup(process.stdout.fileno()), limit)  # the reader owns and closes its copy
-    process.stdout.close()
-    live_groups.add(process.pid)
-    reader.start()
-    try:
-        # Registered first, checked second: a canceller either finds the group in live_groups or sees abandon set.
-        exited = _wait_unreaped(process, 0 if abandon.is_set() else timeout)
-    finally:
-        _kill_group(process.pid)  # always: whatever the command left running in its group goes too
-        returncode = process.wait()
-        live_groups.discard(process.pid)
-    reader.join(_DRAIN_SECONDS)
-    output, total = reader.result()
-    return _ShellResult(
-        output=output, total_bytes=total, returncode=returncode, timed_out=not exited, escaped=reader.is_alive()
-    )
-
-
-def _render_shell(result: _ShellResult, limit: int, timeout: float) -> Outcome:
-    text = result.output.decode("utf-8", errors="replace")
-    notes = []
-    if result.total_bytes > limit:
-        notes.append(f"[output truncated: first {limit} of {result.total_bytes} bytes shown]")
-    is_error, deterministic = False, True
-    if result.timed_out:
-        # How far the command got depends on timing, so neither output nor state can be reproduced.
-        notes.append(f"[timed out after {timeout:g}s]")
-        is_error, deterministic = True, False
-    elif result.returncode > 0:
-        notes.append(f"[exit code {result.returncode}]")
-        is_error = True
-    elif result.returncode < 0:
-        notes.append(f"[killed by signal {-result.returncode}]")
-        is_error = True
-    if result.escaped:
-        notes.append("[warning: a process left the command's process group and still runs]")
-        deterministic = False
-    if notes:
-        if text and not text.endswith("\n"):
-            text += "\n"
-        text += "\n".join(notes)
-    return Outcome(output=text, is_error=is_error, deterministic=deterministic)
 
 
 class FolderSandboxFactory:
@@ -493,7 +361,14 @@ class FolderSandbox:
         abandon = threading.Event()
         work = asyncio.ensure_future(
             asyncio.to_thread(
-                _run_shell, self._factory.bash, folder, command, timeout, limit, self._live_groups, abandon
+                run_command,
+                [self._factory.bash, "-c", command],
+                cwd=folder,
+                env=fixed_environment(str(folder)),
+                timeout=timeout,
+                limit=limit,
+                live_groups=self._live_groups,
+                abandon=abandon,
             )
         )
         try:
@@ -503,13 +378,13 @@ class FolderSandbox:
             # is done so that nothing still runs in the folder when the next call or stop() comes.
             abandon.set()
             for group in list(self._live_groups):
-                _kill_group(group)
+                kill_group(group)
             with contextlib.suppress(Exception):
                 await work
             raise
         except OSError as error:
             raise SandboxError(f"cannot run bash in {folder}: {error}; was the folder removed?") from error
-        return _render_shell(result, limit, timeout)
+        return render_shell(result, limit, timeout)
 
     async def _digest(self, folder: Path) -> str:
         try:
@@ -561,5 +436,5 @@ class FolderSandbox:
             if folder is None:
                 return
             for group in list(self._live_groups):  # a call whose awaiting task was cancelled may still run
-                _kill_group(group)
+                kill_group(group)
             await asyncio.to_thread(_remove_tree, folder)

@@ -1,0 +1,191 @@
+"""Thin ctypes wrappers over the Linux calls the shell sandbox needs (x86_64 and aarch64 share these numbers).
+
+The new mount API builds overlays as *detached* mounts (``fsopen``/``fsconfig``/``fsmount``): they are never
+attached in the host's mount namespace, so a crash cannot leave a mount behind — the kernel drops a detached
+mount with the last file descriptor that refers to it. ``lowerdir+`` takes one layer per call, so stacks of
+hundreds of layers never hit the one-page limit of a mount option string.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+__all__ = [
+    "CAP_SYS_ADMIN",
+    "CLONE_NEWIPC",
+    "CLONE_NEWNET",
+    "CLONE_NEWNS",
+    "CLONE_NEWPID",
+    "CLONE_NEWUTS",
+    "LinuxError",
+    "drop_bounding_capabilities",
+    "mount",
+    "mount_overlay",
+    "move_mount",
+    "open_tree_clone",
+    "open_tree_path",
+    "set_recursive_readonly",
+    "umount",
+    "unshare",
+]
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+SYS_OPEN_TREE = 428
+SYS_MOVE_MOUNT = 429
+SYS_FSOPEN = 430
+SYS_FSCONFIG = 431
+SYS_FSMOUNT = 432
+SYS_MOUNT_SETATTR = 442
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+
+AT_FDCWD = -100
+AT_EMPTY_PATH = 0x1000
+AT_RECURSIVE = 0x8000
+OPEN_TREE_CLONE = 1
+OPEN_TREE_CLOEXEC = os.O_CLOEXEC
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+FSOPEN_CLOEXEC = 1
+FSMOUNT_CLOEXEC = 1
+FSCONFIG_SET_FLAG = 0
+FSCONFIG_SET_STRING = 1
+FSCONFIG_CMD_CREATE = 6
+MOUNT_ATTR_RDONLY = 1
+
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+CAP_SYS_ADMIN = 21
+# Capabilities a sandboxed command could use to undo its confinement or reach past it.
+# sys_admin, sys_module, sys_rawio, sys_chroot, sys_boot, sys_time, mknod, perfmon, bpf
+CONFINING_CAPS = (CAP_SYS_ADMIN, 16, 17, 18, 22, 25, 27, 38, 39)
+
+
+class LinuxError(OSError):
+    """A Linux call failed; ``errno`` and the call are in the message."""
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        error = ctypes.get_errno()
+        raise LinuxError(error, f"{what}: {os.strerror(error)}")
+    return result
+
+
+def _path(value: str | bytes | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    return os.fsencode(value)
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def mount(
+    source: str | bytes | None,
+    target: str | bytes,
+    fstype: str | bytes | None,
+    flags: int,
+    data: str | bytes | None = None,
+) -> None:
+    _check(
+        _libc.mount(_path(source), _path(target), _path(fstype), ctypes.c_ulong(flags), _path(data)),
+        f"mount {target!r}",
+    )
+
+
+def mount_overlay(lowers: list[str], upper: str, work: str) -> int:
+    """A detached overlay mount of ``lowers`` (top first) with a writable ``upper``; returns its fd."""
+    fs_fd = _check(_syscall(SYS_FSOPEN, b"overlay", FSOPEN_CLOEXEC), "fsopen overlay")
+    try:
+        for lower in lowers:
+            _fsconfig_string(fs_fd, b"lowerdir+", lower)
+        _fsconfig_string(fs_fd, b"upperdir", upper)
+        _fsconfig_string(fs_fd, b"workdir", work)
+        _check(_syscall(SYS_FSCONFIG, fs_fd, FSCONFIG_CMD_CREATE, None, None, 0), "fsconfig create overlay")
+        return _check(_syscall(SYS_FSMOUNT, fs_fd, FSMOUNT_CLOEXEC, 0), "fsmount overlay")
+    finally:
+        os.close(fs_fd)
+
+
+def _fsconfig_string(fs_fd: int, key: bytes, value: str) -> None:
+    _check(_syscall(SYS_FSCONFIG, fs_fd, FSCONFIG_SET_STRING, key, os.fsencode(value), 0), f"fsconfig {key!r}")
+
+
+def open_tree_clone(fd: int) -> int:
+    """A new detached copy of the mount referred to by ``fd`` (for attaching in another namespace)."""
+    flags = OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_EMPTY_PATH
+    return _check(_syscall(SYS_OPEN_TREE, fd, b"", flags), "open_tree clone")
+
+
+def open_tree_path(path: str | bytes) -> int:
+    """A detached bind mount of ``path`` (a file or a directory)."""
+    flags = OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC
+    return _check(_syscall(SYS_OPEN_TREE, AT_FDCWD, _path(path), flags), f"open_tree {path!r}")
+
+
+def umount(target: str | bytes, flags: int = 0) -> None:
+    _check(_libc.umount2(_path(target), ctypes.c_int(flags)), f"umount {target!r}")
+
+
+def move_mount(fd: int, target: str | bytes) -> None:
+    """Attach the detached mount ``fd`` at ``target``."""
+    _check(
+        _syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, _path(target), MOVE_MOUNT_F_EMPTY_PATH), f"move_mount {target!r}"
+    )
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+def set_recursive_readonly(path: str | bytes) -> None:
+    attr = _MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
+    _check(
+        _syscall(SYS_MOUNT_SETATTR, AT_FDCWD, _path(path), AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr)),
+        f"mount_setattr {path!r}",
+    )
+
+
+def drop_bounding_capabilities(caps: tuple[int, ...] = CONFINING_CAPS) -> None:
+    for cap in caps:
+        _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def overlay_supported() -> bool:
+    """True when this process may build overlay mounts with the new mount API (root, kernel >= 6.8)."""
+    import tempfile
+
+    if os.geteuid() != 0:
+        return False
+    with tempfile.TemporaryDirectory(prefix="tvcache-probe-") as scratch:
+        lower, upper, work = (os.path.join(scratch, name) for name in ("l", "u", "w"))
+        for directory in (lower, upper, work):
+            os.mkdir(directory)
+        try:
+            os.close(mount_overlay([lower], upper, work))
+        except OSError:
+            return False
+    return True

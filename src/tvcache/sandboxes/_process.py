@@ -1,0 +1,159 @@
+"""Running one sandboxed command: its own process group, capped merged output, a timeout, no leftovers.
+
+Shared by the folder and shell sandboxes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SandboxError
+from ..protocol import Outcome
+
+FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
+# How long to wait for the output pipe to close after the process group was killed.
+_DRAIN_SECONDS = 2.0
+_CHUNK = 1 << 16
+
+
+def kill_group(group: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signal.SIGKILL)
+
+
+def wait_unreaped(process: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait up to ``timeout`` for the process to exit, without reaping it when possible.
+
+    An unreaped child keeps its pid, which is also its process group id, so killing the group afterwards can
+    never hit an unrelated group that reused the number.
+    """
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):  # not Linux >= 5.3: fall back to reaping, with a negligible reuse race
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout)
+        return bool(ready)
+    finally:
+        os.close(pidfd)
+
+
+class OutputReader(threading.Thread):
+    """Drains a pipe to EOF, keeping the first ``limit`` bytes and counting the rest."""
+
+    def __init__(self, fd: int, limit: int) -> None:
+        super().__init__(daemon=True)
+        self._fd = fd
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._kept = bytearray()
+        self.total = 0
+
+    def run(self) -> None:
+        try:
+            while chunk := os.read(self._fd, _CHUNK):
+                with self._lock:
+                    room = self._limit - len(self._kept)
+                    if room > 0:
+                        self._kept += chunk[:room]
+                    self.total += len(chunk)
+        finally:
+            os.close(self._fd)
+
+    def result(self) -> tuple[bytes, int]:
+        with self._lock:
+            return bytes(self._kept), self.total
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShellResult:
+    output: bytes
+    total_bytes: int
+    returncode: int
+    timed_out: bool
+    escaped: bool
+
+
+def fixed_environment(home: str) -> dict[str, str]:
+    """The whole environment of a sandboxed command: nothing is inherited from the host process."""
+    return {"PATH": FIXED_PATH, "HOME": home, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TZ": "UTC"}
+
+
+def run_command(
+    argv: list[str],
+    *,
+    cwd: Path | None,
+    env: dict[str, str],
+    timeout: float,
+    limit: int,
+    live_groups: set[int],
+    abandon: threading.Event,
+    preexec: Callable[[], None] | None = None,
+) -> ShellResult:
+    """Run ``argv`` in its own process group with merged, capped output; kill the group when it ends."""
+    process = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=preexec,
+    )
+    if process.stdout is None:  # cannot happen with stdout=PIPE; narrows the type
+        raise SandboxError("bash started without an output pipe")
+    reader = OutputReader(os.dup(process.stdout.fileno()), limit)  # the reader owns and closes its copy
+    process.stdout.close()
+    live_groups.add(process.pid)
+    reader.start()
+    try:
+        # Registered first, checked second: a canceller either finds the group in live_groups or sees abandon set.
+        exited = wait_unreaped(process, 0 if abandon.is_set() else timeout)
+    finally:
+        kill_group(process.pid)  # always: whatever the command left running in its group goes too
+        returncode = process.wait()
+        live_groups.discard(process.pid)
+    reader.join(_DRAIN_SECONDS)
+    output, total = reader.result()
+    return ShellResult(
+        output=output, total_bytes=total, returncode=returncode, timed_out=not exited, escaped=reader.is_alive()
+    )
+
+
+def render_shell(result: ShellResult, limit: int, timeout: float) -> Outcome:
+    text = result.output.decode("utf-8", errors="replace")
+    notes = []
+    if result.total_bytes > limit:
+        notes.append(f"[output truncated: first {limit} of {result.total_bytes} bytes shown]")
+    is_error, deterministic = False, True
+    if result.timed_out:
+        # How far the command got depends on timing, so neither output nor state can be reproduced.
+        notes.append(f"[timed out after {timeout:g}s]")
+        is_error, deterministic = True, False
+    elif result.returncode > 0:
+        notes.append(f"[exit code {result.returncode}]")
+        is_error = True
+    elif result.returncode < 0:
+        notes.append(f"[killed by signal {-result.returncode}]")
+        is_error = True
+    if result.escaped:
+        notes.append("[warning: a process left the command's process group and still runs]")
+        deterministic = False
+    if notes:
+        if text and not text.endswith("\n"):
+            text += "\n"
+        text += "\n".join(notes)
+    return Outcome(output=text, is_error=is_error, deterministic=deterministic)

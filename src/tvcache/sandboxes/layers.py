@@ -1,0 +1,184 @@
+"""Read-only overlay layers on disk, reference counted across every sandbox and snapshot that stacks them.
+
+A *layer* is a frozen upper directory: the changes one sandbox made since its previous snapshot. A sandbox's
+state is its stack of layers (newest first) over the base tree, plus its own writable upper. Layers are
+deleted when the last sandbox or snapshot using them lets go, and a store left behind by a crashed process
+is removed by the next process that opens the same root.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Layer", "LayerStore", "default_store_root", "upper_digest"]
+
+_counter = itertools.count()
+
+
+def default_store_root() -> Path:
+    """tmpfs when available: freezing an upper needs no sync there, so snapshots cost the same at any size."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm / "tvcache-layers"
+    return Path(tempfile.gettempdir()) / "tvcache-layers"
+
+
+def _process_tag(pid: int) -> str | None:
+    """``pid-starttime``: unique for a process across pid reuse (None when the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return f"{pid}-{int(fields[19])}"
+
+
+def tree_bytes(path: Path) -> int:
+    total = 0
+    for directory, _, files in os.walk(path):
+        for name in files:
+            info = os.lstat(os.path.join(directory, name))
+            if stat.S_ISREG(info.st_mode):
+                total += info.st_size
+    return total
+
+
+def upper_digest(upper: Path) -> str:
+    """Digest of everything a command could have changed: the upper layer's entries and their metadata.
+
+    ctime moves on every write, chmod, xattr or rename, so metadata alone detects any change without reading
+    file contents; a call that leaves the digest unchanged is proved read-only.
+    """
+    hasher = hashlib.blake2b(digest_size=16)
+    for directory, dirs, files in os.walk(upper):
+        dirs.sort()
+        for name in sorted(dirs + files):
+            path = os.path.join(directory, name)
+            info = os.lstat(path)
+            hasher.update(
+                b"%s\0%o %d %d %d %d %d\n"
+                % (
+                    os.fsencode(os.path.relpath(path, upper)),
+                    info.st_mode,
+                    info.st_size,
+                    info.st_mtime_ns,
+                    info.st_ctime_ns,
+                    info.st_ino,
+                    info.st_rdev,
+                )
+            )
+    return hasher.hexdigest()
+
+
+@dataclass(eq=False, kw_only=True)
+class Layer:
+    path: Path
+    bytes: int
+    refs: int = field(default=0)
+    _digest: str | None = field(default=None, repr=False)
+
+    def digest(self) -> str:
+        """The layer's content digest (computed once: layers never change)."""
+        if self._digest is None:
+            self._digest = upper_digest(self.path)
+        return self._digest
+
+
+class LayerStore:
+    """The layers, uppers and work directories of one factory, under ``root/<pid>-<start>-<n>``."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = Path(root) if root is not None else default_store_root()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_orphans()
+        tag = _process_tag(os.getpid())
+        self.directory = self.root / f"{tag}-{next(_counter)}"
+        for sub in ("layers", "uppers"):
+            (self.directory / sub).mkdir(parents=True)
+        self._lock = threading.Lock()
+        self._layers: dict[str, Layer] = {}
+        self._ids = itertools.count()
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.directory, True)
+
+    def _remove_orphans(self) -> None:
+        """Delete stores whose owning process is gone (it crashed, or was killed before cleaning up)."""
+        for entry in self.root.iterdir():
+            pid, _, rest = entry.name.partition("-")
+            start = rest.split("-", 1)[0]
+            if not pid.isdigit() or _process_tag(int(pid)) == f"{pid}-{start}":
+                continue
+            shutil.rmtree(entry, ignore_errors=True)
+
+    def new_upper(self) -> tuple[Path, Path]:
+        """A fresh (upper, work) directory pair on the store's filesystem."""
+        base = self.directory / "uppers" / str(next(self._ids))
+        upper, work = base / "upper", base / "work"
+        upper.mkdir(parents=True)
+        work.mkdir()
+        return upper, work
+
+    def discard_upper(self, upper: Path) -> None:
+        shutil.rmtree(upper.parent, ignore_errors=True)
+
+    def freeze(self, upper: Path) -> Layer:
+        """Turn an unmounted upper into a read-only layer (a rename: O(1) whatever the size of the changes)."""
+        path = self.directory / "layers" / str(next(self._ids))
+        os.rename(upper, path)
+        shutil.rmtree(upper.parent, ignore_errors=True)  # the work directory
+        layer = Layer(path=path, bytes=tree_bytes(path))
+        with self._lock:
+            self._layers[str(path)] = layer
+        return layer
+
+    def adopt(self, path: Path) -> Layer:
+        """Register a directory built in place (a squashed stack) as a layer."""
+        layer = Layer(path=path, bytes=tree_bytes(path))
+        with self._lock:
+            self._layers[str(path)] = layer
+        return layer
+
+    def new_layer_path(self) -> Path:
+        return self.directory / "layers" / str(next(self._ids))
+
+    def lookup(self, paths: list[str]) -> list[Layer] | None:
+        """The live layers at ``paths`` (None if any is unknown to this store or already deleted)."""
+        with self._lock:
+            layers = [self._layers.get(path) for path in paths]
+        if any(layer is None for layer in layers):
+            return None
+        return [layer for layer in layers if layer is not None]
+
+    def acquire(self, layers: list[Layer]) -> None:
+        with self._lock:
+            for layer in layers:
+                layer.refs += 1
+
+    def release(self, layers: list[Layer]) -> None:
+        doomed = []
+        with self._lock:
+            for layer in layers:
+                layer.refs -= 1
+                if layer.refs < 0:
+                    warnings.warn(f"layer {layer.path} released more often than acquired", RuntimeWarning, stacklevel=2)
+                if layer.refs <= 0:
+                    self._layers.pop(str(layer.path), None)
+                    doomed.append(layer)
+        for layer in doomed:
+            shutil.rmtree(layer.path, ignore_errors=True)
+
+    def live_layers(self) -> list[Layer]:
+        with self._lock:
+            return list(self._layers.values())
+
+    def close(self) -> None:
+        self._cleanup()

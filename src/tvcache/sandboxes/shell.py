@@ -1,0 +1,420 @@
+"""Shell sandboxes on overlayfs: a base tree seen through stacks of copy-on-write layers.
+
+Each sandbox is a writable upper directory over read-only layers over the base tree (a project checkout, or a
+whole root filesystem with ``rootfs=True``). A *snapshot* freezes the upper into a new layer by a rename, and
+the sandbox goes on with a fresh upper above it; a *fork* mounts a fresh upper over a snapshot's stack. Both
+cost about a millisecond whatever the size of the tree, because nothing is copied. Layers live on tmpfs (no
+sync on freeze), are shared and reference counted, and are squashed into one when a stack grows deep.
+
+The overlay is a *detached* mount held by a file descriptor, never attached in the host's mount namespace.
+Each command gets its own mount, PID, network, IPC and UTS namespaces: there the whole host is read-only, the
+sandbox's merged tree is attached at the base tree's own path (so every sandbox, and every uncached run, sees
+the same paths), ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run`` are private and empty, the network is a
+loopback of its own, and the capabilities that could undo any of this are dropped. The command is PID 1's
+child in its PID namespace: when it ends or times out, everything it started dies with it.
+
+Needs root (or overlay mounts in general); otherwise ``ShellSandbox.factory`` falls back to copying the tree
+(``FolderSandbox``), with a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+from ..calls import ToolCall, ToolSpec
+from ..errors import InvalidToolCall, SandboxError, UnknownTool
+from ..protocol import Outcome, Snapshot
+from . import _linux
+from ._process import FIXED_PATH, fixed_environment, kill_group, render_shell, run_command
+from .folder import SH_TOOL, FolderSandbox, FolderSandboxFactory
+from .layers import Layer, LayerStore, upper_digest
+
+__all__ = ["ShellSandbox", "ShellSandboxFactory"]
+
+KIND = "shell"
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+_SIOCSIFFLAGS = 0x8914
+_IFF_UP = 0x1
+_LOOPBACK_UP = struct.pack("16sH14s", b"lo", _IFF_UP, b"")
+
+
+class ShellSandboxFactory:
+    """Starts shell sandboxes over ``base_dir`` and forks them from snapshots. See the module docstring."""
+
+    kind: str = KIND
+
+    def __init__(
+        self,
+        base_dir: str | os.PathLike[str],
+        *,
+        rootfs: bool = False,
+        timeout: float = 60.0,
+        max_output_bytes: int = 1_000_000,
+        prove_read_only: bool = True,
+        max_layers: int = 128,
+        store_root: str | os.PathLike[str] | None = None,
+        environment: Mapping[str, str] | None = None,
+    ) -> None:
+        base = Path(base_dir).resolve()
+        if not base.is_dir():
+            raise SandboxError(f"shell sandbox base {base} does not exist or is not a directory")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if not 2 <= max_layers <= 400:
+            raise ValueError(f"max_layers must be between 2 and 400 (the kernel stacks at most 500), got {max_layers}")
+        bash = "/bin/bash" if rootfs else shutil.which("bash", path=FIXED_PATH)
+        if bash is None or (rootfs and not (base / "bin" / "bash").exists()):
+            where = base if rootfs else FIXED_PATH
+            raise SandboxError(f"bash was not found in {where}; shell sandboxes run commands with bash")
+        self.base = base
+        self.rootfs = rootfs
+        self.timeout = float(timeout)
+        self.max_output_bytes = max_output_bytes
+        self.prove_read_only = prove_read_only
+        self.max_layers = max_layers
+        self.bash = bash
+        self.environment = (
+            dict(environment) if environment is not None else fixed_environment("/root" if rootfs else str(base))
+        )
+        self.store = LayerStore(Path(store_root) if store_root is not None else None)
+        self._tools: Mapping[str, ToolSpec] = MappingProxyType({SH_TOOL.name: SH_TOOL})
+        self.cost_hints: dict[str, float] = {"start": 0.001, "fork": 0.001, "snapshot": 0.001}
+
+    @property
+    def tools(self) -> Mapping[str, ToolSpec]:
+        return self._tools
+
+    async def start(self) -> ShellSandbox:
+        return await asyncio.to_thread(ShellSandbox, self, [])
+
+    async def fork(self, snapshot: Snapshot) -> ShellSandbox:
+        layers = self._layers_of(snapshot)
+        return await asyncio.to_thread(ShellSandbox, self, layers)
+
+    def discard(self, snapshot: Snapshot) -> None:
+        layers = self.store.lookup(list(snapshot.meta.get("layers", [])))
+        if layers is not None:
+            self.store.release(layers)
+        Path(snapshot.path).unlink(missing_ok=True)
+
+    def _layers_of(self, snapshot: Snapshot) -> list[Layer]:
+        if snapshot.kind != KIND:
+            raise SandboxError(f"cannot fork a shell sandbox from a {snapshot.kind!r} snapshot; use its own backend")
+        layers = self.store.lookup(list(snapshot.meta.get("layers", [])))
+        if layers is None:
+            raise SandboxError(
+                f"snapshot {snapshot.path} is missing its layers (discarded, or made by another process); "
+                "rebuild the state by replaying its calls"
+            )
+        return layers
+
+    def close(self) -> None:
+        """Delete the factory's layer store; its sandboxes and snapshots stop working."""
+        self.store.close()
+
+    def __repr__(self) -> str:
+        return f"ShellSandboxFactory({str(self.base)!r}, rootfs={self.rootfs})"
+
+
+class ShellSandbox:
+    """One overlay sandbox. Calls are serialised; blocking work runs in worker threads."""
+
+    def __init__(self, factory: ShellSandboxFactory, layers: list[Layer]) -> None:
+        self._factory = factory
+        self._store = factory.store
+        self._lock = asyncio.Lock()
+        self._live_groups: set[int] = set()
+        self._stack = list(layers)  # newest first, above the base
+        self._store.acquire(self._stack)
+        self._upper, self._work = self._store.new_upper()
+        self._mount_fd: int | None = None
+        self._stopped = False
+        self._last_digest: str | None = None
+        try:
+            self._mount()
+        except BaseException:
+            self._teardown()
+            raise
+
+    @classmethod
+    def factory(
+        cls,
+        base_dir: str | os.PathLike[str],
+        *,
+        rootfs: bool = False,
+        timeout: float = 60.0,
+        max_output_bytes: int = 1_000_000,
+        prove_read_only: bool = True,
+        max_layers: int = 128,
+        store_root: str | os.PathLike[str] | None = None,
+        environment: Mapping[str, str] | None = None,
+        fallback: bool = True,
+    ) -> ShellSandboxFactory | FolderSandboxFactory:
+        """Shell sandboxes over ``base_dir`` (a tree, or a root filesystem with ``rootfs=True``).
+
+        Where overlay mounts are not permitted (not root), returns a ``FolderSandbox`` factory that copies the
+        tree instead, with a warning — or raises SandboxError when ``fallback`` is False.
+        """
+        if not _linux.overlay_supported():
+            if not fallback or rootfs:
+                raise SandboxError(
+                    "overlay mounts are not permitted here (run as root on Linux >= 6.8); "
+                    "FolderSandbox copies trees instead"
+                )
+            warnings.warn(
+                "overlay mounts are not permitted here; shell sandboxes fall back to copying the tree "
+                "(FolderSandbox): forks cost a full copy and commands are not confined",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return FolderSandbox.factory(base_dir, timeout=timeout, max_output_bytes=max_output_bytes)
+        return ShellSandboxFactory(
+            base_dir,
+            rootfs=rootfs,
+            timeout=timeout,
+            max_output_bytes=max_output_bytes,
+            prove_read_only=prove_read_only,
+            max_layers=max_layers,
+            store_root=store_root,
+            environment=environment,
+        )
+
+    # ----------------------------------------------------------- mounts
+
+    def _lowers(self) -> list[str]:
+        lowers = [str(layer.path) for layer in self._stack]
+        squashed = bool(self._stack) and self._stack[-1].path.name.endswith("-squashed")
+        return lowers if squashed else [*lowers, str(self._factory.base)]
+
+    def _mount(self) -> None:
+        self._mount_fd = _linux.mount_overlay(self._lowers(), str(self._upper), str(self._work))
+
+    def _unmount(self) -> None:
+        fd, self._mount_fd = self._mount_fd, None
+        if fd is not None:
+            os.close(fd)  # the last reference to a detached mount: the kernel unmounts it
+
+    def _require_open(self) -> int:
+        if self._mount_fd is None:
+            raise SandboxError("this shell sandbox was stopped; start or fork a new one from the factory")
+        return self._mount_fd
+
+    # ---------------------------------------------------------- execute
+
+    async def execute(self, call: ToolCall) -> Outcome:
+        spec = self._factory.tools.get(call.name)
+        if spec is None:
+            raise UnknownTool(call.name, list(self._factory.tools))
+        spec.validate(call)
+        arguments = call.arguments
+        timeout = self._factory.timeout
+        if "timeout" in arguments:
+            if not arguments["timeout"] > 0:
+                raise InvalidToolCall(f"tool 'sh': timeout must be > 0 seconds, got {arguments['timeout']!r}")
+            timeout = min(float(arguments["timeout"]), timeout)
+        async with self._lock:
+            mount_fd = self._require_open()
+            prove = self._factory.prove_read_only
+            before = (self._last_digest or await asyncio.to_thread(upper_digest, self._upper)) if prove else None
+            self._last_digest = None
+            outcome = await self._run(mount_fd, arguments["cmd"], timeout)
+            changed: bool | None = None
+            if prove:
+                self._last_digest = await asyncio.to_thread(upper_digest, self._upper)
+                changed = before != self._last_digest
+        return Outcome(
+            output=outcome.output, is_error=outcome.is_error, changed_state=changed, deterministic=outcome.deterministic
+        )
+
+    async def _run(self, mount_fd: int, command: str, timeout: float) -> Outcome:
+        factory = self._factory
+        abandon = threading.Event()
+        prelude = _confine(mount_fd, factory.base, rootfs=factory.rootfs)
+        # unshare(1) with no namespace flags only forks: its child, bash, is PID 1 of the new PID namespace, so
+        # when bash ends the kernel kills every process the command left behind.
+        argv = ["/usr/bin/unshare", "--fork", "--kill-child", factory.bash, "-c", command]
+        work = asyncio.ensure_future(
+            asyncio.to_thread(
+                run_command,
+                argv,
+                cwd=None,
+                env=factory.environment,
+                timeout=timeout,
+                limit=factory.max_output_bytes,
+                live_groups=self._live_groups,
+                abandon=abandon,
+                preexec=prelude,
+            )
+        )
+        try:
+            result = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            abandon.set()
+            for group in list(self._live_groups):
+                kill_group(group)
+            with contextlib.suppress(Exception):
+                await work
+            raise
+        except (OSError, subprocess.SubprocessError) as error:
+            raise SandboxError(f"cannot run a command in the shell sandbox: {error}") from error
+        return render_shell(result, factory.max_output_bytes, timeout)
+
+    # --------------------------------------------------------- snapshots
+
+    async def snapshot(self, dest: Path) -> Snapshot:
+        dest = Path(dest)
+        async with self._lock:
+            self._require_open()
+            if dest.exists():
+                raise SandboxError(f"snapshot destination {dest} already exists; pass a path that does not exist")
+            stack, new_bytes = await asyncio.to_thread(self._freeze)
+            self._store.acquire(stack)  # the snapshot's own references
+            layers = [str(layer.path) for layer in stack]
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            partial = dest.with_name(dest.name + ".partial")
+            partial.write_text(json.dumps({"kind": KIND, "base": str(self._factory.base), "layers": layers}))
+            os.replace(partial, dest)
+        return Snapshot(kind=KIND, path=str(dest), bytes=new_bytes, meta={"layers": layers})
+
+    def _freeze(self) -> tuple[list[Layer], int]:
+        """Freeze the upper into a layer (if it holds changes) and go on above it; squash deep stacks."""
+        with os.scandir(self._upper) as entries:
+            changed = any(True for _ in entries)
+        if not changed and self._stack:
+            return list(self._stack), 0
+        self._unmount()
+        layer = self._store.freeze(self._upper)
+        self._store.acquire([layer])
+        self._stack.insert(0, layer)
+        self._upper, self._work = self._store.new_upper()
+        if len(self._stack) > self._factory.max_layers:
+            self._squash()
+        self._mount()
+        self._last_digest = None
+        return list(self._stack), layer.bytes
+
+    def _squash(self) -> None:
+        """Replace the whole stack (and the base) by one layer holding the merged tree: a full copy, paid
+        once every ``max_layers`` snapshots so that lookups and mounts stay fast."""
+        merged = _linux.mount_overlay(self._lowers(), str(self._upper), str(self._work))
+        target = self._store.new_layer_path()
+        target = target.with_name(target.name + "-squashed")
+        try:
+            # The detached mount's root is reachable through its descriptor: nothing is ever attached.
+            shutil.copytree(f"/proc/self/fd/{merged}", target, symlinks=True)
+        finally:
+            os.close(merged)
+        squashed = self._store.adopt(target)
+        self._store.acquire([squashed])
+        self._store.release(self._stack)
+        self._stack = [squashed]
+
+    async def state_digest(self) -> str:
+        async with self._lock:
+            self._require_open()
+            return await asyncio.to_thread(self._state_digest)
+
+    def _state_digest(self) -> str:
+        """Digests of the layers, oldest first, then of the upper if it holds changes. Freezing renames the
+        upper into a layer without touching its entries, so a state digests the same before and after a
+        snapshot, and in every fork of it."""
+        self._last_digest = upper_digest(self._upper)
+        parts = [layer.digest() for layer in reversed(self._stack)]
+        with os.scandir(self._upper) as entries:
+            if any(True for _ in entries):
+                parts.append(self._last_digest)
+        return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
+
+    # -------------------------------------------------------------- stop
+
+    async def stop(self) -> None:
+        async with self._lock:
+            if not self._stopped:
+                await asyncio.to_thread(self._teardown)
+
+    def _teardown(self) -> None:
+        self._stopped = True
+        self._unmount()
+        self._store.discard_upper(self._upper)
+        self._store.release(self._stack)
+        self._stack = []
+
+    @property
+    def layers(self) -> list[str]:
+        """The paths of this sandbox's layers, newest first (for inspection and tests)."""
+        return [str(layer.path) for layer in self._stack]
+
+
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+
+
+def _confine(mount_fd: int, base: Path, *, rootfs: bool) -> Callable[[], None]:
+    """The code run in the child between fork and exec: enter fresh namespaces and confine the command.
+
+    Everything it needs is computed here, in the parent: the child only makes system calls.
+    """
+    base_path = str(base)
+    private = [path for path in PRIVATE_DIRS if os.path.isdir(path) and path != "/dev/shm"]
+    devices = [name for name in DEVICES if os.path.exists(f"/dev/{name}")]
+    flags = _linux.CLONE_NEWNS | _linux.CLONE_NEWPID | _linux.CLONE_NEWNET | _linux.CLONE_NEWIPC | _linux.CLONE_NEWUTS
+    tmpfs_flags = _linux.MS_NOSUID | _linux.MS_NODEV
+
+    def minimal_dev(device_trees: list[tuple[str, int]]) -> None:
+        """A /dev holding only harmless devices: no disk of the host can be opened from inside."""
+        _linux.mount("tmpfs", "/dev", "tmpfs", _linux.MS_NOSUID, "mode=755")
+        for name, tree in device_trees:
+            with open(f"/dev/{name}", "w"):
+                pass
+            _linux.move_mount(tree, f"/dev/{name}")
+            os.close(tree)
+        os.mkdir("/dev/shm", 0o1777)
+        _linux.mount("tmpfs", "/dev/shm", "tmpfs", tmpfs_flags, "mode=1777")
+        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1")):
+            os.symlink(target, f"/dev/{name}")
+        os.symlink("/proc/self/fd/2", "/dev/stderr")
+
+    def prelude() -> None:
+        _linux.unshare(flags)
+        _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
+        tree = _linux.open_tree_clone(mount_fd)
+        device_trees = [(name, _linux.open_tree_path(f"/dev/{name}")) for name in devices]
+        if rootfs:
+            _linux.move_mount(tree, base_path)
+            if os.path.isdir(base_path + "/proc"):
+                _linux.mount("/proc", base_path + "/proc", None, _linux.MS_BIND | _linux.MS_REC)
+                _linux.set_recursive_readonly(base_path + "/proc")
+            os.chroot(base_path)
+            os.chdir("/")
+            minimal_dev(device_trees)
+            for path in ("/tmp", "/run"):
+                if os.path.isdir(path):
+                    _linux.mount("tmpfs", path, "tmpfs", tmpfs_flags, "mode=1777")
+        else:
+            _linux.set_recursive_readonly("/")
+            minimal_dev(device_trees)
+            for path in private:
+                _linux.mount("tmpfs", path, "tmpfs", tmpfs_flags, "mode=1777")
+            os.makedirs(base_path, exist_ok=True)  # the base may sit under a private tmpfs now
+            _linux.move_mount(tree, base_path)
+            os.chdir(base_path)
+        os.close(tree)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            fcntl.ioctl(probe, _SIOCSIFFLAGS, _LOOPBACK_UP)
+        socket.sethostname("sandbox")
+        _linux.drop_bounding_capabilities()
+
+    return prelude

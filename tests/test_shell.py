@@ -1,0 +1,339 @@
+"""Shell sandboxes on overlayfs: confinement, kills, layers, squashing, leaks, crash cleanup, a real project."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tvcache import AlwaysSnapshot, Budget, Cache, CostAwareSnapshots, ToolCall
+from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory
+from tvcache.sandboxes._linux import overlay_supported
+from tvcache.sandboxes.layers import LayerStore
+
+from shell_project import ACTIONS, make_project
+
+pytestmark = pytest.mark.skipif(
+    not overlay_supported(), reason="overlay mounts need root on Linux >= 6.8 (the shell backend falls back to copies)"
+)
+
+
+def sh(cmd: str, **extra: object) -> ToolCall:
+    return ToolCall("sh", {"cmd": cmd, **extra})
+
+
+def factory_for(tmp_path: Path, **options: object) -> ShellSandboxFactory:
+    base = tmp_path / "base"
+    if not base.exists():
+        base.mkdir()
+        (base / "a.txt").write_text("base\n")
+    factory = ShellSandbox.factory(base, fallback=False, store_root=tmp_path / "layers", **options)
+    assert isinstance(factory, ShellSandboxFactory)
+    return factory
+
+
+def mounts_under(path: Path) -> list[str]:
+    with open("/proc/self/mountinfo") as handle:
+        return [line for line in handle if str(path) in line]
+
+
+def test_writes_stay_inside_the_sandbox(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path)
+    host_tmp = Path("/tmp") / f"tvcache-test-{uuid.uuid4().hex}"
+
+    async def main() -> None:
+        one, two = await factory.start(), await factory.start()
+        out = await one.execute(sh(f"echo mine > {factory.base}/a.txt; echo t > {host_tmp}; cat a.txt; cat {host_tmp}"))
+        assert out.output == "mine\nt\n"
+        refused = await one.execute(sh("echo x > /etc/tvcache-test 2>&1; touch /usr/tvcache-test 2>&1; echo done"))
+        assert refused.output.count("Read-only file system") == 2
+        assert (await two.execute(sh("cat a.txt; ls /tmp"))).output == "base\n" + _tmp_listing(factory)
+        assert (await one.execute(sh("mount -o remount,rw / 2>&1 || echo refused"))).output.endswith("refused\n")
+        for sandbox in (one, two):
+            await sandbox.stop()
+
+    asyncio.run(main())
+    assert (factory.base / "a.txt").read_text() == "base\n"
+    assert not host_tmp.exists()
+    assert not Path("/etc/tvcache-test").exists()
+
+
+def _tmp_listing(factory: ShellSandboxFactory) -> str:
+    """What ``ls /tmp`` shows inside: an empty private tmpfs, except the path down to the base tree itself."""
+    parts = factory.base.parts
+    return f"{parts[2]}\n" if parts[1] == "tmp" else ""
+
+
+def test_the_network_is_unreachable(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+
+    async def main() -> str:
+        sandbox = await factory.start()
+        try:
+            probe = f"(echo hi > /dev/tcp/127.0.0.1/{port}) 2>&1 && echo reached || echo unreachable"
+            return (await sandbox.execute(sh(probe))).output
+        finally:
+            await sandbox.stop()
+
+    try:
+        output = asyncio.run(main())
+    finally:
+        server.close()
+    assert output.strip().endswith("unreachable")
+    assert "Connection refused" in output
+
+
+def test_a_timeout_kills_the_command_and_everything_it_forked(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path)
+    marker = f"tvcache-hang-{uuid.uuid4().hex[:8]}"
+
+    async def main() -> tuple[float, str]:
+        sandbox = await factory.start()
+        began = time.perf_counter()
+        command = (
+            f"(exec -a {marker} sleep 300 &); setsid bash -c 'exec -a {marker} sleep 300' & exec -a {marker} sleep 300"
+        )
+        outcome = await sandbox.execute(sh(command, timeout=0.5))
+        await sandbox.stop()
+        return time.perf_counter() - began, outcome.output
+
+    elapsed, output = asyncio.run(main())
+    assert "[timed out after 0.5s]" in output
+    assert elapsed < 10
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    assert left == ""
+
+
+def test_background_processes_die_with_the_command(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path)
+    marker = f"tvcache-bg-{uuid.uuid4().hex[:8]}"
+
+    async def main() -> str:
+        sandbox = await factory.start()
+        out = await sandbox.execute(sh(f"(setsid bash -c 'exec -a {marker} sleep 300' &) ; echo started"))
+        await sandbox.stop()
+        return out.output
+
+    assert asyncio.run(main()) == "started\n"
+    assert subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout == ""
+
+
+def test_paths_and_environment_are_the_same_in_every_sandbox(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path)
+
+    async def main() -> list[str]:
+        outputs = []
+        for _ in range(2):
+            sandbox = await factory.start()
+            outputs.append((await sandbox.execute(sh("pwd; echo $HOME; hostname; env | sort"))).output)
+            await sandbox.stop()
+        return outputs
+
+    first, second = asyncio.run(main())
+    assert first == second
+    assert first.startswith(f"{factory.base}\n{factory.base}\nsandbox\n")
+    assert "PYTEST" not in first
+
+
+def test_deletions_and_squashed_stacks_keep_the_state(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path, max_layers=3)
+    (factory.base / "doomed.txt").write_text("bye\n")
+
+    async def main() -> None:
+        sandbox = await factory.start()
+        await sandbox.execute(sh("rm doomed.txt"))
+        for index in range(7):
+            await sandbox.execute(sh(f"echo {index} >> a.txt; mkdir -p d{index}"))
+            snapshot = await sandbox.snapshot(tmp_path / f"snap{index}")
+            assert len(snapshot.meta["layers"]) <= 3
+        expected = "base\n" + "".join(f"{i}\n" for i in range(7))
+        assert (await sandbox.execute(sh("cat a.txt"))).output == expected
+        fork = await factory.fork(snapshot)
+        listing = (await fork.execute(sh("ls"))).output.split()
+        assert "doomed.txt" not in listing
+        assert listing == ["a.txt", *[f"d{i}" for i in range(7)]]
+        assert (await fork.execute(sh("cat a.txt"))).output == expected
+        for sandbox_ in (sandbox, fork):
+            await sandbox_.stop()
+
+    asyncio.run(main())
+
+
+def test_thousands_of_forks_snapshots_and_evictions_leave_nothing_behind(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path)
+    store = factory.store
+    rng = random.Random(3)
+
+    async def main() -> None:
+        live = [await factory.start()]
+        snapshots = []
+        for step in range(2000):
+            choice = rng.random()
+            if choice < 0.35 and live:
+                sandbox = rng.choice(live)
+                upper = sandbox._upper
+                (upper / f"f{step}").write_text("x")  # a change, made directly (commands are tested elsewhere)
+                snapshots.append(await sandbox.snapshot(tmp_path / "snaps" / f"s{step}"))
+            elif choice < 0.6 and snapshots:
+                live.append(await factory.fork(rng.choice(snapshots)))
+            elif choice < 0.8 and snapshots:
+                factory.discard(snapshots.pop(rng.randrange(len(snapshots))))
+            elif live:
+                await live.pop(rng.randrange(len(live))).stop()
+            if len(live) > 20:
+                await live.pop(0).stop()
+        referenced = {layer for snapshot in snapshots for layer in snapshot.meta["layers"]}
+        referenced |= {layer for sandbox in live for layer in sandbox.layers}
+        assert {str(layer.path) for layer in store.live_layers()} == referenced
+        assert set(os.listdir(store.directory / "layers")) == {Path(path).name for path in referenced}
+        for sandbox in live:
+            await sandbox.stop()
+        for snapshot in snapshots:
+            factory.discard(snapshot)
+
+    asyncio.run(main())
+    assert store.live_layers() == []
+    assert os.listdir(store.directory / "layers") == []
+    assert os.listdir(store.directory / "uppers") == []
+    assert mounts_under(tmp_path) == []
+
+
+def test_a_crashed_process_store_is_removed_by_the_next_one(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    root = tmp_path / "layers"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, sys
+        from tvcache.sandboxes import ShellSandbox
+        async def main():
+            factory = ShellSandbox.factory({str(base)!r}, fallback=False, store_root={str(root)!r})
+            sandbox = await factory.start()
+            await sandbox.execute(__import__("tvcache").ToolCall("sh", {{"cmd": "echo x > f"}}))
+            await sandbox.snapshot(__import__("pathlib").Path({str(tmp_path / "snap")!r}))
+            print(factory.store.directory, flush=True)
+            await asyncio.sleep(600)
+        asyncio.run(main())
+        """
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    orphan = Path(process.stdout.readline().strip())
+    assert (orphan / "layers").exists()
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    LayerStore(root).close()
+    assert not orphan.exists()
+
+
+def test_a_minimal_root_filesystem_is_the_whole_world(tmp_path: Path) -> None:
+    rootfs = tmp_path / "rootfs"
+    for binary in ("/bin/bash", "/usr/bin/unshare", "/bin/ls", "/bin/cat"):
+        _install(binary, rootfs)
+    for directory in ("tmp", "proc", "dev", "root", "run"):
+        (rootfs / directory).mkdir(exist_ok=True)
+    (rootfs / "etc").mkdir()
+    (rootfs / "etc" / "motd").write_text("inside\n")
+    environment = {"PATH": "/usr/bin:/bin", "HOME": "/root"}  # no locales in this tiny rootfs
+    factory = ShellSandbox.factory(
+        rootfs, rootfs=True, fallback=False, store_root=tmp_path / "layers", environment=environment
+    )
+
+    async def main() -> tuple[str, str]:
+        sandbox = await factory.start()
+        look = (await sandbox.execute(sh("pwd; cat /etc/motd; ls /; echo changed > /etc/motd"))).output
+        fork = await factory.fork(await sandbox.snapshot(tmp_path / "snap"))
+        after = (await fork.execute(sh("cat /etc/motd"))).output
+        await sandbox.stop()
+        await fork.stop()
+        return look, after
+
+    look, after = asyncio.run(main())
+    assert look.startswith("/\ninside\n")
+    assert set(look.split()[2:]) == {"bin", "dev", "etc", "lib", "lib64", "proc", "root", "run", "tmp", "usr"} - (
+        set() if (rootfs / "lib64").exists() else {"lib64"}
+    )
+    assert after == "changed\n"
+    assert (rootfs / "etc" / "motd").read_text() == "inside\n"
+
+
+def _install(binary: str, rootfs: Path) -> None:
+    """Copy a binary and the shared libraries it loads into ``rootfs`` at the same paths."""
+    libraries = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
+    paths = {binary}
+    for line in libraries.splitlines():
+        for token in line.split():
+            if token.startswith("/"):
+                paths.add(token)
+    for path in paths:
+        resolved = Path(path)
+        target = rootfs / resolved.relative_to("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not target.exists():
+            shutil.copy2(resolved, target)
+
+
+@pytest.mark.parametrize("policy", ["cost-aware", "always"])
+def test_cached_rollouts_on_a_real_c_project_equal_uncached_execution(tmp_path: Path, policy: str) -> None:
+    """Inspect, build, patch (right or wrong), rebuild and test a C project: through the cache and fresh."""
+    project = make_project(tmp_path / "project")
+    factory = ShellSandbox.factory(project, fallback=False, store_root=tmp_path / "layers")
+    snapshots = AlwaysSnapshot() if policy == "always" else CostAwareSnapshots()
+    cache = Cache(snapshot_policy=snapshots, budget=Budget(max_snapshots_per_task=8))
+    rng = random.Random(policy)
+    mismatches = []
+    hits = calls = 0
+    fix, wrong_fix = ACTIONS[5], ACTIONS[6]
+
+    async def rollout(history: list[str]) -> list[tuple[str, bool]]:
+        async with cache.session("fix-calc", sandbox=factory) as session:
+            return [((r := await session.call("sh", {"cmd": cmd})).output, r.hit) for cmd in history]
+
+    async def fresh(history: list[str]) -> list[str]:
+        sandbox = await factory.start()
+        try:
+            return [(await sandbox.execute(sh(cmd))).output for cmd in history]
+        finally:
+            await sandbox.stop()
+
+    async def main() -> None:
+        nonlocal hits, calls
+        for _ in range(6):  # groups of rollouts, sharing a prefix like an RL group
+            stem = ["cat calc.c", "make 2>&1"][: rng.randrange(0, 3)]
+            group = []
+            for _ in range(4):
+                middle = [rng.choice(ACTIONS) for _ in range(rng.randrange(0, 3))]
+                patch = rng.choice([fix, fix, wrong_fix])
+                group.append([*stem, *middle, patch, "make 2>&1", "make check 2>&1"])
+            answers = await asyncio.gather(*(rollout(history) for history in group))
+            for history, answer in zip(group, answers, strict=True):
+                truth = await fresh(history)
+                for step, ((output, hit), expected) in enumerate(zip(answer, truth, strict=True)):
+                    calls += 1
+                    hits += hit
+                    if output != expected:
+                        mismatches.append((history[: step + 1], output, expected))
+
+    asyncio.run(main())
+    stats = cache.stats()
+    cache.check_invariants()
+    cache.close()
+    assert mismatches == [], mismatches[:2]
+    assert hits > 0
+    assert stats.replay_divergences == 0
+    assert calls >= 100
