@@ -150,13 +150,18 @@ class LayerStore:
     def new_layer_path(self) -> Path:
         return self.directory / "layers" / str(next(self._ids))
 
-    def lookup(self, paths: list[str]) -> list[Layer] | None:
-        """The live layers at ``paths`` (None if any is unknown to this store or already deleted)."""
+    def lookup(self, paths: list[str], *, acquire: bool = False) -> list[Layer] | None:
+        """The live layers at ``paths`` (None if any is unknown to this store or already deleted), with a
+        reference taken on each when ``acquire`` — atomically, so a concurrent release cannot delete them."""
         with self._lock:
-            layers = [self._layers.get(path) for path in paths]
-        if any(layer is None for layer in layers):
-            return None
-        return [layer for layer in layers if layer is not None]
+            found = [self._layers.get(path) for path in paths]
+            layers = [layer for layer in found if layer is not None]
+            if len(layers) != len(found):
+                return None
+            if acquire:
+                for layer in layers:
+                    layer.refs += 1
+            return layers
 
     def acquire(self, layers: list[Layer]) -> None:
         with self._lock:

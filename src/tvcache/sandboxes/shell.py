@@ -101,8 +101,10 @@ class ShellSandboxFactory:
     async def start(self) -> ShellSandbox:
         return await asyncio.to_thread(ShellSandbox, self, [])
 
+    # ShellSandbox(factory, layers) takes over one reference on each layer, already acquired by the caller.
+
     async def fork(self, snapshot: Snapshot) -> ShellSandbox:
-        layers = self._layers_of(snapshot)
+        layers = self._layers_of(snapshot)  # referenced now: an eviction meanwhile cannot delete them
         return await asyncio.to_thread(ShellSandbox, self, layers)
 
     def discard(self, snapshot: Snapshot) -> None:
@@ -114,7 +116,7 @@ class ShellSandboxFactory:
     def _layers_of(self, snapshot: Snapshot) -> list[Layer]:
         if snapshot.kind != KIND:
             raise SandboxError(f"cannot fork a shell sandbox from a {snapshot.kind!r} snapshot; use its own backend")
-        layers = self.store.lookup(list(snapshot.meta.get("layers", [])))
+        layers = self.store.lookup(list(snapshot.meta.get("layers", [])), acquire=True)
         if layers is None:
             raise SandboxError(
                 f"snapshot {snapshot.path} is missing its layers (discarded, or made by another process); "
@@ -138,8 +140,7 @@ class ShellSandbox:
         self._store = factory.store
         self._lock = asyncio.Lock()
         self._live_groups: set[int] = set()
-        self._stack = list(layers)  # newest first, above the base
-        self._store.acquire(self._stack)
+        self._stack = list(layers)  # newest first, above the base; their references are ours now
         self._upper, self._work = self._store.new_upper()
         self._mount_fd: int | None = None
         self._stopped = False
