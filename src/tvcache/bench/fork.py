@@ -80,7 +80,11 @@ async def _measure(base: Path, repeats: int, copy_repeats: int, scratch: Path) -
         copies.append(time.perf_counter() - began)
         await sandbox_copy.stop()
     folder.close()
-    result = {"overlay_fork": _stats(forks), "overlay_snapshot": _stats(snapshots), "copy_fork": _stats(copies)}
+    result: dict[str, Any] = {
+        "overlay_fork": _stats(forks),
+        "overlay_snapshot": _stats(snapshots),
+        "copy_fork": _stats(copies),
+    }
     result["copy_over_overlay_fork_p50"] = result["copy_fork"]["p50_ms"] / result["overlay_fork"]["p50_ms"]
     return result
 
