@@ -337,3 +337,59 @@ def test_cached_rollouts_on_a_real_c_project_equal_uncached_execution(tmp_path: 
     assert hits > 0
     assert stats.replay_divergences == 0
     assert calls >= 100
+
+
+def test_stacks_of_hundreds_of_layers_mount(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path, max_layers=400)
+
+    async def main() -> tuple[int, str]:
+        sandbox = await factory.start()
+        for index in range(300):
+            (sandbox._upper / f"f{index}").write_text(str(index))
+            snapshot = await sandbox.snapshot(tmp_path / "snaps" / str(index))
+        fork = await factory.fork(snapshot)
+        listing = (await fork.execute(sh("ls | wc -l; cat f0 f299"))).output
+        depth = len(fork.layers)
+        await fork.stop()
+        await sandbox.stop()
+        return depth, listing
+
+    depth, listing = asyncio.run(main())
+    assert depth == 300
+    assert listing == "301\n0299"
+
+
+def test_nothing_is_left_on_disk_at_interpreter_exit(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    script = textwrap.dedent(
+        f"""
+        import asyncio
+        from tvcache import ToolCall
+        from tvcache.sandboxes import ShellSandbox
+        async def main():
+            factory = ShellSandbox.factory({str(base)!r}, fallback=False, store_root={str(tmp_path / "layers")!r})
+            sandbox = await factory.start()  # never stopped: exit must still clean up
+            await sandbox.execute(ToolCall("sh", {{"cmd": "echo x > f"}}))
+            await sandbox.snapshot(__import__("pathlib").Path({str(tmp_path / "snap")!r}))
+            print(factory.store.directory)
+        asyncio.run(main())
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert not Path(result.stdout.strip()).exists()
+    assert mounts_under(tmp_path) == []
+
+
+def test_without_overlay_privileges_it_falls_back_to_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tvcache.sandboxes import FolderSandboxFactory, shell
+
+    monkeypatch.setattr(shell._linux, "overlay_supported", lambda: False)
+    base = tmp_path / "base"
+    base.mkdir()
+    with pytest.warns(RuntimeWarning, match="fall back to copying"):
+        factory = ShellSandbox.factory(base)
+    assert isinstance(factory, FolderSandboxFactory)
+    with pytest.raises(Exception, match="not permitted"):
+        ShellSandbox.factory(base, fallback=False)
