@@ -343,3 +343,27 @@ def _call(name: str, args: dict):
     from tvcache import ToolCall
 
     return ToolCall(name, args)
+
+
+def test_concurrent_identical_checks_run_once() -> None:
+    cache, factory = Cache(), KVFactory()
+    runs = 0
+
+    async def reward(sandbox) -> int:
+        nonlocal runs
+        runs += 1
+        await asyncio.sleep(0.05)  # a slow verifier: the other sessions arrive while it runs
+        return 1
+
+    async def rollout():
+        async with cache.session("t", sandbox=factory) as session:
+            await session.call("incr", {"key": "a"})
+            return await session.test(reward, key="reward")
+
+    async def main() -> list:
+        return await asyncio.gather(*(rollout() for _ in range(5)))
+
+    results = asyncio.run(main())
+    assert runs == 1
+    assert sorted(r.hit for r in results) == [False, True, True, True, True]
+    assert {r.value for r in results} == {1}

@@ -11,6 +11,8 @@
 A hit returns exactly what executing the call after the same history would return; see README.md.
 """
 
+from typing import TYPE_CHECKING
+
 from .cache import Cache, NondeterminismWarning
 from .calls import ToolCall, ToolSpec, canonical_json, stable_digest
 from .errors import (
@@ -31,7 +33,25 @@ from .protocol import Outcome, Sandbox, SandboxFactory, Snapshot
 from .results import AuditFinding, CacheStats, ToolResult
 from .session import Session, SessionStats, SyncSession, TestResult
 
+if TYPE_CHECKING:
+    from .client import RemoteCache, ShardedCache
+
 __version__ = "0.1.0"
+
+_CLIENTS = {"RemoteCache": "tvcache.client", "ShardedCache": "tvcache.client"}
+
+
+def __getattr__(name: str) -> object:
+    """``RemoteCache`` and ``ShardedCache`` are imported on first use: they need the ``server`` extra."""
+    module = _CLIENTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tvcache' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AlwaysSnapshot",
@@ -53,6 +73,7 @@ __all__ = [
     "Node",
     "NondeterminismWarning",
     "Outcome",
+    "RemoteCache",
     "ReplayError",
     "Sandbox",
     "SandboxError",
@@ -60,6 +81,7 @@ __all__ = [
     "Session",
     "SessionClosed",
     "SessionStats",
+    "ShardedCache",
     "Snapshot",
     "SyncSession",
     "TVCacheError",

@@ -57,7 +57,12 @@ InflightKey = tuple[str, int, bytes]
 
 
 class Cache:
-    """Tool call graphs of many tasks, shared by concurrent rollout sessions (threads or tasks)."""
+    """Tool call graphs of many tasks, shared by concurrent rollout sessions (threads or tasks).
+
+    ``discard`` frees a snapshot evicted by the budget when no session registered its backend's own
+    ``discard``; ``verify_snapshots=False`` keeps journaled snapshots whose files this process cannot see.
+    A server sets both: its snapshots belong to its clients (``tvcache.server``).
+    """
 
     def __init__(
         self,
@@ -72,6 +77,8 @@ class Cache:
         fsync: bool = False,
         compact_on_open: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        discard: Callable[[Snapshot], None] = discard_snapshot_files,
+        verify_snapshots: bool = True,
     ) -> None:
         if not 0.0 <= audit_rate <= 1.0:
             raise ValueError(f"audit_rate must be between 0 and 1, got {audit_rate}")
@@ -83,6 +90,10 @@ class Cache:
         self._inflight: dict[InflightKey, Future[Node | None]] = {}
         self._costs: dict[str, CostModel] = {}
         self._discarders: dict[str, Callable[[Snapshot], None]] = {}
+        # How snapshots of backends no session registered are freed, and whether reloading checks their files:
+        # a server holds snapshots its clients own, so it neither deletes nor checks them (tvcache.server).
+        self._discard_default = discard
+        self._verify_snapshots = verify_snapshots
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._seconds_executed = 0.0
         self._seconds_saved = 0.0
@@ -278,6 +289,31 @@ class Cache:
             )
             return node
 
+    def _claim_test(self, graph: ToolCallGraph, node: Node, key: str) -> tuple[bool, Future[Node | None]]:
+        """Like ``_claim`` for an end-of-rollout check: sessions finishing in the same state run it once.
+        A waiter's future resolves when the owner has recorded the value (or failed); it then looks again."""
+        inflight = (graph.task_id, node.id, b"test\x00" + key.encode())
+        with self._lock:
+            if node.tests is not None and key in node.tests:
+                done: Future[Node | None] = Future()
+                done.set_result(node)
+                return False, done
+            future = self._inflight.get(inflight)
+            if future is not None:
+                return False, future
+            future = self._inflight[inflight] = Future()
+            return True, future
+
+    def _resolve_test(self, graph: ToolCallGraph, node: Node, key: str, error: BaseException | None) -> None:
+        with self._lock:
+            future = self._inflight.pop((graph.task_id, node.id, b"test\x00" + key.encode()), None)
+        if future is None:
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(node)
+
     def _lookup_test(self, graph: ToolCallGraph, node: Node, key: str) -> tuple[bool, Any]:
         with self._lock:
             if node.tests is not None and key in node.tests:
@@ -317,7 +353,7 @@ class Cache:
         return directory / f"{node.id}-{random.getrandbits(32):08x}"
 
     def _attach_snapshot(self, graph: ToolCallGraph, node: Node, snapshot: Snapshot) -> None:
-        discard = self._discarders.get(snapshot.kind, discard_snapshot_files)
+        discard = self._discarders.get(snapshot.kind, self._discard_default)
         with self._lock:
             if node.snapshot is not None:  # a concurrent session snapshotted the same state first
                 discard(snapshot)
@@ -327,7 +363,14 @@ class Cache:
             self._append({"t": "s", "task": graph.task_id, "id": node.id, "snap": snapshot.to_json()})
             evicted = self._enforce_budget(graph, keep=node)
         for old in evicted:
-            self._discarders.get(old.kind, discard_snapshot_files)(old)
+            self._discarders.get(old.kind, self._discard_default)(old)
+
+    def _detach_snapshot(self, graph: ToolCallGraph, node: Node) -> Snapshot:
+        """Forget a node's snapshot without freeing its storage (its owner moved it on); journaled."""
+        with self._lock:
+            snapshot = graph.detach_snapshot(node)
+            self._append({"t": "x", "task": graph.task_id, "id": node.id})
+            return snapshot
 
     def _enforce_budget(self, graph: ToolCallGraph, *, keep: Node) -> list[Snapshot]:
         """Evict snapshots until the budget holds; returns the evicted snapshots for their storage to be freed.
@@ -478,7 +521,8 @@ class Cache:
         elif kind == "s":
             snapshot = Snapshot.from_json(record["snap"])
             node = graph.node(record["id"])
-            if snapshot.exists() and node.snapshot is None:  # snapshots whose files are gone are dropped
+            usable = snapshot.exists() or not self._verify_snapshots  # snapshots whose files are gone are dropped
+            if usable and node.snapshot is None:
                 graph.attach_snapshot(node, snapshot)
         elif kind == "x":
             node = graph.node(record["id"])

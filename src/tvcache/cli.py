@@ -1,4 +1,4 @@
-"""The ``tvcache`` command: ``demo``, ``bench NAME`` and ``inspect DIR``."""
+"""The ``tvcache`` command: ``demo``, ``replay``, ``serve``, ``bench NAME`` and ``inspect DIR``."""
 
 from __future__ import annotations
 
@@ -16,13 +16,79 @@ def _bench(args: argparse.Namespace) -> int:
 
         lookup.run(nodes=args.nodes, repeats=args.repeats, seed=args.seed, json_path=args.json)
         return 0
+    if args.name == "server":
+        try:
+            from .bench import server
+        except ImportError as error:
+            print(f"tvcache bench server: {error}", file=sys.stderr)
+            return 2
+        rates = [int(rate) for rate in args.rates.split(",")]
+        return server.run(rates=rates, duration=args.duration, keys=args.keys, shards=args.shards, json_path=args.json)
+    if args.name == "fork":
+        from .bench import fork
+
+        sizes = tuple(int(size) for size in args.sizes.split(","))
+        fork.run(sizes_mb=sizes, repeats=args.fork_repeats, json_path=args.json)
+        return 0
     raise AssertionError(args.name)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from .errors import TVCacheError
+    from .policies import Budget
+
+    token = args.token or os.environ.get("TVCACHE_TOKEN") or None
+    try:
+        from .server import runner
+    except ImportError as error:
+        print(f"tvcache serve: {error}", file=sys.stderr)
+        return 2
+    try:
+        runner.check_token(args.host, token)
+    except TVCacheError as error:
+        print(f"tvcache serve: {error}", file=sys.stderr)
+        return 2
+    options = [
+        "--claim-ttl", str(args.claim_ttl), "--lease-ttl", str(args.lease_ttl),
+        "--max-snapshots-per-task", str(args.max_snapshots_per_task),
+        "--max-snapshot-bytes", str(args.max_snapshot_bytes), "--max-body-bytes", str(args.max_body_bytes),
+    ]  # fmt: skip
+    if args.fsync:
+        options.append("--fsync")
+    if args.shards > 1:
+        if token is not None:
+            os.environ["TVCACHE_TOKEN"] = token  # children read it from the environment, never from argv
+        return runner.serve_shards(args.shards, host=args.host, port=args.port, data_dir=args.data_dir, argv=options)
+    try:
+        runner.serve(
+            host=args.host,
+            port=args.port,
+            data_dir=args.data_dir,
+            token=token,
+            budget=Budget(max_snapshots_per_task=args.max_snapshots_per_task, max_bytes=args.max_snapshot_bytes),
+            fsync=args.fsync,
+            claim_ttl=args.claim_ttl,
+            lease_ttl=args.lease_ttl,
+            max_body_bytes=args.max_body_bytes,
+        )
+    except TVCacheError as error:
+        print(f"tvcache serve: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
     return demo.main(args)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from . import replay
+
+    return replay.main(args.traces, json_path=args.json)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -51,28 +117,72 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo",
-        help="run a small real RL loop through the cache, side by side with no cache",
-        description="Runs rollout groups of a small learnable policy over real SQLite tools, once without a "
-        "cache, once with a naive call-keyed cache and once with tvcache, and checks that tvcache returned "
-        "exactly what uncached execution returned.",
+        help="run small real RL loops through the cache, side by side with no cache",
+        description="Trains a small learnable policy (standing in for the LLM) on SQL, shell and files/media tasks "
+        "with real sandboxes, tools and rewards; runs it without a cache, with a naive call-keyed cache, and with "
+        "tvcache with and without snapshots, checks that tvcache reproduced the uncached run exactly, and writes "
+        "report.json, report.md, plots and JSONL traces.",
     )
-    demo.add_argument("--quick", action="store_true", help="fewer tasks and epochs (well under a minute)")
-    demo.add_argument("--epochs", type=int, default=None, help="training epochs (default 6, quick 3)")
-    demo.add_argument("--rollouts", type=int, default=8, help="rollouts per task group (default 8)")
-    demo.add_argument("--seed", type=int, default=0, help="seed for the policy and task order")
-    demo.add_argument("--delay", type=float, default=0.0, help="seconds added per SQL query to emulate a remote DB")
-    demo.add_argument("--out", default=None, help="directory to write report.json into")
+    from .demo import add_arguments as add_demo_arguments
+
+    add_demo_arguments(demo)
     demo.set_defaults(handler=_demo)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve caches to many rollout workers over HTTP (needs the 'server' extra)",
+        description="Holds the tool call graphs of many tasks for clients (tvcache.RemoteCache, "
+        "tvcache.ShardedCache, or the original TVCache client's wire format). With --data-dir every insert is "
+        "journaled before it is acknowledged, so a restart (even after kill -9) loses nothing acknowledged. "
+        "Native API under /v1 (OpenAPI at /openapi.json), /metrics, /healthz.",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1); any non-loopback "
+                       "address requires --token")  # fmt: skip
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; shards use PORT..PORT+N-1)")
+    serve.add_argument("--data-dir", default=None, help="durable cache directory (default: in memory only)")
+    serve.add_argument("--token", default=None, help="bearer token clients must send (default: $TVCACHE_TOKEN)")
+    serve.add_argument("--shards", type=int, default=1, help="start N shard processes (default 1); route with "
+                       "tvcache.ShardedCache")  # fmt: skip
+    serve.add_argument("--fsync", action="store_true", help="fsync each journal record (survives power loss)")
+    serve.add_argument("--claim-ttl", type=float, default=30.0, help="seconds before a silent executing client's "
+                       "claim is taken over (default 30)")  # fmt: skip
+    serve.add_argument("--lease-ttl", type=float, default=600.0, help="seconds a snapshot lease or a wire-format "
+                       "env reference lasts without release (default 600)")  # fmt: skip
+    serve.add_argument("--max-snapshots-per-task", type=int, default=64, help="snapshot budget per task (default 64)")
+    serve.add_argument("--max-snapshot-bytes", type=int, default=8 * 1024**3, help="snapshot bytes budget in all")
+    serve.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="request body limit (16 MiB)")
+    serve.set_defaults(handler=_serve)
 
     bench = commands.add_parser(
         "bench", help="run a benchmark", description="Benchmarks print ratios measured in one run."
     )
-    bench.add_argument("name", choices=["lookup"], help="lookup: prefix-match latency and bytes per node")
+    bench.add_argument(
+        "name",
+        choices=["lookup", "server", "fork"],
+        help="lookup: prefix-match latency and bytes per node; server: open-loop HTTP load on `tvcache serve`; "
+        "fork: overlay fork and snapshot latency next to copying the tree (root)",
+    )
     bench.add_argument("--nodes", type=int, default=100_000, help="graph size for lookup (default 100000)")
     bench.add_argument("--repeats", type=int, default=2000, help="lookups timed per depth (default 2000)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON to PATH")
+    bench.add_argument("--rates", default="128,256,512,1024,2048,4096,8192", help="server: request rates (req/s)")
+    bench.add_argument("--duration", type=float, default=3.0, help="server: seconds of load per rate (default 3)")
+    bench.add_argument("--keys", type=int, default=8192, help="server: keys populated before the load (8192)")
+    bench.add_argument("--shards", type=int, default=1, help="server: shard processes behind the load (default 1)")
+    bench.add_argument("--sizes", default="10,1024", help="fork: base tree sizes in MB (default 10,1024)")
+    bench.add_argument("--fork-repeats", type=int, default=200, help="fork: overlay forks timed per size (200)")
     bench.set_defaults(handler=_bench)
+
+    replay = commands.add_parser(
+        "replay",
+        help="measure hit rate and time saved on recorded traces",
+        description="Replays JSONL traces of tool calls (as `tvcache demo` writes them, or your own: see README) "
+        "through a tool call graph without executing anything, and prints the hit rate and tool time saved.",
+    )
+    replay.add_argument("traces", nargs="+", metavar="TRACE", help="JSONL trace files")
+    replay.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON to PATH")
+    replay.set_defaults(handler=_replay)
 
     inspect = commands.add_parser("inspect", help="summarise a durable cache directory")
     inspect.add_argument("path", help="a directory created by Cache(path=...)")

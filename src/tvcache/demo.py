@@ -1,21 +1,24 @@
-"""``tvcache demo``: a small, real RL post-training loop on SQL tasks, run side by side without and with caches.
+"""``tvcache demo``: small but real RL post-training runs through the cache, side by side with no cache.
 
-The policy is a small learnable model standing in for the LLM (see ``workloads.policy``); the SQLite databases,
-the queries, their outputs and the rewards are real. Every run uses the same seeds, so a cache that returns
-exactly what execution returns reproduces the uncached run call for call — which the demo checks.
+For each workload (SQL, shell, files/media), a learnable policy — standing in for the LLM, see
+``workloads.policy`` — samples groups of rollouts per task over several epochs and is updated GRPO-style. The
+sandboxes, tools, outputs and rewards are real. Four runs use the same seeds:
 
-Runs: ``uncached`` (every rollout in a fresh sandbox), ``naive`` (a dict keyed by the call alone, the failure
-mode the paper is about: its wrong results are counted against a shadow execution), ``tvcache-nosnap`` (the
-graph without snapshots) and ``tvcache`` (the full design).
+* ``uncached``: every rollout executes every call in a fresh sandbox (the ground truth);
+* ``naive``: a dict keyed by the call alone, the failure the paper is about; its wrong results are counted
+  against a shadow execution of every call;
+* ``tvcache-nosnap``: the tool call graph without snapshots (misses replay from a fresh sandbox);
+* ``tvcache``: the full design.
+
+A cache that returns exactly what execution returns reproduces the uncached run call for call, reward for
+reward — the demo checks it and says so, then writes ``report.json``, ``report.md``, plots and traces.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -25,25 +28,48 @@ from typing import Any
 from .cache import Cache
 from .calls import ToolCall
 from .policies import NeverSnapshot
-from .sandboxes import SQLiteSandbox
+from .protocol import Sandbox
+from .session import Session
+from .workloads.base import Task, Workload
 from .workloads.policy import GroupPolicy, Trajectory
-from .workloads.sql import SqlTask, sql_tasks
 
 MODES = ("uncached", "naive", "tvcache-nosnap", "tvcache")
-HORIZON = 5
+WORKLOADS = ("sql", "shell", "media")
 
 
 @dataclass(kw_only=True)
 class CallRecord:
+    workload: str
     epoch: int
     task: str
+    group: int
     rollout: int
-    step: int
+    step: int  # -1 for the end-of-rollout check
     call: ToolCall
     output: str
     seconds: float
     hit: bool
+    read_only: bool | None = None
+    cached: bool = True
     wrong: bool = False
+
+    def trace(self) -> dict[str, Any]:
+        from .calls import stable_digest
+
+        return {
+            "workload": self.workload,
+            "task": self.task,
+            "epoch": self.epoch,
+            "group": self.group,
+            "rollout": self.rollout,
+            "step": self.step,
+            "call": {"name": self.call.name, "arguments": self.call.arguments},
+            "output_digest": stable_digest(self.output.encode()).hex(),
+            "seconds": self.seconds,
+            "hit": self.hit,
+            "read_only": self.read_only,
+            "cached": self.cached,
+        }
 
 
 @dataclass(kw_only=True)
@@ -57,83 +83,111 @@ class RunResult:
 
 
 class Runner:
-    def __init__(self, mode: str, tasks: list[SqlTask], args: argparse.Namespace, work: Path) -> None:
+    """One mode of one workload: all epochs, all tasks, groups of concurrent rollouts."""
+
+    def __init__(self, mode: str, workload: Workload, args: argparse.Namespace, work: Path, progress: Any) -> None:
         self.mode = mode
-        self.tasks = tasks
+        self.workload = workload
         self.args = args
-        self.factories = {t.id: SQLiteSandbox.factory(t.database, delay_seconds=args.delay) for t in tasks}
         self.policy = GroupPolicy()
+        self.progress = progress
         self.cache: Cache | None = None
         if mode.startswith("tvcache"):
             policy = NeverSnapshot() if mode == "tvcache-nosnap" else None
-            self.cache = Cache(work / mode, snapshot_policy=policy)
+            self.cache = Cache(work / f"{workload.name}-{mode}", snapshot_policy=policy)
         self.naive: dict[tuple[str, bytes], str] = {}
         self.result = RunResult(mode=mode)
         self.sandboxes_started = 0
 
-    async def rollout(self, epoch: int, task: SqlTask, index: int) -> Trajectory:
-        rng = random.Random(f"{self.args.seed}:{epoch}:{task.id}:{index}")
+    def _record(self, **fields: Any) -> None:
+        self.result.records.append(CallRecord(workload=self.workload.name, **fields))
+
+    async def _call(
+        self, task: Task, session: Session | None, sandbox: Sandbox | None, call: ToolCall
+    ) -> dict[str, Any]:
+        if session is not None:
+            result = await session.call(call.name, call.arguments)
+            node = session.graph.get(result.node_id) if result.node_id is not None else None
+            read_only = node.read_only if node is not None else None
+            return {"output": result.output, "hit": result.hit, "seconds": result.seconds, "read_only": read_only,
+                    "cached": result.cached}  # fmt: skip
+        assert sandbox is not None
+        began = time.perf_counter()
+        outcome = await sandbox.execute(call)
+        fields = {"output": outcome.output, "hit": False, "seconds": time.perf_counter() - began}
+        if self.mode == "naive":
+            key = (task.id, call.digest)
+            cached = self.naive.get(key)
+            if cached is None:
+                self.naive[key] = outcome.output
+            else:  # a hit: the naive cache answers without looking at state; the shadow run tells the truth
+                fields.update(output=cached, hit=True, seconds=0.0, wrong=cached != outcome.output)
+        return fields
+
+    async def _check(self, task: Task, session: Session | None, sandbox: Sandbox | None) -> dict[str, Any]:
+        assert task.check is not None
+        check = task.check
+        if session is not None:
+
+            async def run_check(live: Sandbox) -> str:
+                return (await live.execute(check)).output
+
+            result = await session.test(run_check, key=f"check:{check.hexdigest}")
+            return {"output": result.value, "hit": result.hit, "seconds": result.seconds, "read_only": True}
+        return await self._call(task, None, sandbox, check)
+
+    async def rollout(self, epoch: int, task_index: int, task: Task, index: int) -> Trajectory:
+        rng = random.Random(f"{self.args.seed}:{self.workload.name}:{epoch}:{task.id}:{index}")
         trajectory = Trajectory()
-        factory = self.factories[task.id]
-        previous = -1
-        answer_output: str | None = None
-        answer_ok = False
+        group = epoch * len(self.workload.tasks) + task_index
+        session: Session | None = None
+        sandbox: Sandbox | None = None
+        began = time.perf_counter()
         if self.cache is not None:
-            session = self.cache.session(task.id, sandbox=factory)
+            session = self.cache.session(task.id, sandbox=task.factory)
         else:
-            sandbox = await factory.start()
+            sandbox = await task.factory.start()
             self.sandboxes_started += 1
+        start_seconds = time.perf_counter() - began  # an uncached rollout pays for its sandbox up front
+        final: str | None = None
         try:
-            for step in range(HORIZON):
+            previous = -1
+            for step in range(task.horizon):
                 choice = self.policy.choose(task.id, step, previous, len(task.actions), rng)
                 trajectory.choices.append(((step, previous), choice))
                 previous = choice
                 action = task.actions[choice]
-                call = ToolCall("sql", {"query": action.query})
-                began = time.perf_counter()
-                wrong = False
-                if self.cache is not None:
-                    result = await session.call("sql", {"query": action.query})
-                    output, hit, seconds = result.output, result.hit, result.seconds
-                else:
-                    outcome = await sandbox.execute(call)
-                    seconds = time.perf_counter() - began
-                    output, hit = outcome.output, False
-                    if self.mode == "naive":
-                        key = (task.id, call.digest)
-                        cached = self.naive.get(key)
-                        if cached is None:
-                            self.naive[key] = output
-                        else:  # the naive cache answers without looking at state; the shadow run tells truth
-                            hit, wrong, output, seconds = True, cached != output, cached, 0.0
-                self.result.records.append(
-                    CallRecord(
-                        epoch=epoch, task=task.id, rollout=index, step=step, call=call, output=output,
-                        seconds=seconds, hit=hit, wrong=wrong,
-                    )
-                )  # fmt: skip
-                if action.answer:
-                    answer_output = output
+                fields = await self._call(task, session, sandbox, action.call)
+                if step == 0:
+                    fields["seconds"] += start_seconds
+                self._record(
+                    epoch=epoch, task=task.id, group=group, rollout=index, step=step, call=action.call, **fields
+                )
+                final = fields["output"]
+                if action.terminal:
                     break
-            if answer_output is not None:
-                answer_ok = answer_output == self.gold[task.id]
+            if task.check is not None:
+                fields = await self._check(task, session, sandbox)
+                self._record(epoch=epoch, task=task.id, group=group, rollout=index, step=-1, call=task.check, **fields)
+                final = fields["output"]
         finally:
-            if self.cache is not None:
+            if session is not None:
                 await session.close()
-            else:
+            elif sandbox is not None:
                 await sandbox.stop()
-        trajectory.reward = 1.0 if answer_ok else 0.0
+        trajectory.reward = task.reward(final)
+        self.progress.advance()
         return trajectory
 
-    async def run(self, gold: dict[str, str]) -> RunResult:
-        self.gold = gold
+    async def run(self) -> RunResult:
         began = time.perf_counter()
         for epoch in range(self.args.epochs):
             rewards: list[float] = []
-            for task in self.tasks:
-                group = await asyncio.gather(*(self.rollout(epoch, task, i) for i in range(self.args.rollouts)))
+            for task_index, task in enumerate(self.workload.tasks):
+                rollouts = (self.rollout(epoch, task_index, task, i) for i in range(self.args.rollouts))
+                group = await asyncio.gather(*rollouts)
                 self.policy.update(task.id, group, len(task.actions))
-                rewards.extend(t.reward for t in group)
+                rewards.extend(trajectory.reward for trajectory in group)
             self.result.rewards[epoch] = rewards
             if self.cache is not None:
                 stats = self.cache.stats()
@@ -148,137 +202,87 @@ class Runner:
         return self.result
 
 
-async def compute_gold(tasks: list[SqlTask]) -> dict[str, str]:
-    """Execute each task's reference solution in a fresh sandbox: the gold answer is real output."""
-    gold = {}
-    for task in tasks:
-        sandbox = await SQLiteSandbox.factory(task.database).start()
-        try:
-            output = ""
-            for query in task.solution:
-                output = (await sandbox.execute(ToolCall("sql", {"query": query}))).output
-            gold[task.id] = output
-        finally:
-            await sandbox.stop()
-    return gold
+class _Progress:
+    """Live progress with rich when it is installed, a plain line per run otherwise."""
+
+    def __init__(self, total: int, label: str, bar: Any) -> None:
+        self._bar = bar
+        self._task = bar.add_task(label, total=total) if bar is not None else None
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task)
 
 
-def _per_epoch(run: RunResult, epochs: int) -> list[dict[str, Any]]:
-    rows = []
-    for epoch in range(epochs):
-        records = [r for r in run.records if r.epoch == epoch]
-        seconds = [r.seconds for r in records]
-        rows.append(
-            {
-                "epoch": epoch,
-                "calls": len(records),
-                "hit_rate": sum(r.hit for r in records) / max(1, len(records)),
-                "tool_seconds": sum(seconds),
-                "median_call_seconds": statistics.median(seconds) if seconds else 0.0,
-                "reward": statistics.fmean(run.rewards[epoch]) if run.rewards.get(epoch) else 0.0,
-                "wrong_results": sum(r.wrong for r in records),
-                "sandboxes": run.sandboxes.get(epoch, 0) - run.sandboxes.get(epoch - 1, 0),
-                "snapshot_bytes": run.snapshot_bytes.get(epoch, 0),
-            }
-        )
-    return rows
+def load_workload(name: str, data_dir: Path, args: argparse.Namespace) -> Workload:
+    if name == "sql":
+        from .workloads.sql import sql_workload
 
+        return sql_workload(data_dir, delay_seconds=args.delay)
+    if name == "shell":
+        from .workloads.shell import shell_workload
 
-def _mismatches(reference: RunResult, other: RunResult, epoch: int) -> int:
-    """Calls whose output (or whose very call) differs from the uncached run at the same position."""
+        return shell_workload(data_dir)
+    if name == "media":
+        from .workloads.media import media_workload
 
-    def key(record: CallRecord) -> tuple[int, str, int, int]:
-        return (record.epoch, record.task, record.rollout, record.step)
-
-    expected = {key(r): (r.call, r.output) for r in reference.records if r.epoch == epoch}
-    actual = {key(r): (r.call, r.output) for r in other.records if r.epoch == epoch}
-    return sum(1 for k in expected.keys() | actual.keys() if expected.get(k) != actual.get(k))
+        return media_workload(data_dir)
+    raise SystemExit(f"tvcache demo: unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 
 def main(args: argparse.Namespace) -> int:
+    from . import report
+
     if args.epochs is None:
         args.epochs = 3 if args.quick else 6
     if args.epochs < 1 or args.rollouts < 1:
         raise SystemExit("tvcache demo: --epochs and --rollouts must be at least 1")
+    names = [name.strip() for name in args.workloads.split(",") if name.strip()]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar: Any = Progress(
+            TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+        )
+    except ImportError:
+        bar = None
+    print(f"tvcache demo: workloads {', '.join(names)}; {args.rollouts} rollouts per group, {args.epochs} epochs")
+    print("the policy is a small learnable model standing in for the LLM; sandboxes, tools and rewards are real\n")
+    runs: dict[str, dict[str, RunResult]] = {}
+    workloads: dict[str, Workload] = {}
     with tempfile.TemporaryDirectory(prefix="tvcache-demo-") as scratch:
         work = Path(scratch)
-        tasks = sql_tasks(work)
-        if args.quick:
-            tasks = tasks[:3]
-        gold = asyncio.run(compute_gold(tasks))
-        print(f"tvcache demo: {len(tasks)} SQL tasks x {args.rollouts} rollouts x {args.epochs} epochs")
-        print("policy: a small learnable model standing in for the LLM; tools, databases and rewards are real\n")
-        runs: dict[str, RunResult] = {}
-        for mode in MODES:
-            print(f"  running {mode:<15}", end="", flush=True)
-            runs[mode] = asyncio.run(Runner(mode, tasks, args, work).run(gold))
-            print(f" {runs[mode].wall_seconds:6.2f} s, {len(runs[mode].records)} tool calls")
-    report = _report(runs, args)
-    _print(report)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(report, indent=2))
-        print(f"\nwrote {out / 'report.json'}")
-    exact = all(row["mismatches"] == 0 for row in report["epochs"])
+        if bar is not None:
+            bar.start()
+        try:
+            for name in names:
+                workload = workloads[name] = load_workload(name, work / "data", args)
+                if args.quick:
+                    workload.tasks = workload.tasks[:2]
+                rollouts = args.epochs * len(workload.tasks) * args.rollouts
+                runs[name] = {}
+                for mode in MODES:
+                    progress = _Progress(rollouts, f"{name} / {mode}", bar)
+                    runs[name][mode] = asyncio.run(Runner(mode, workload, args, work, progress).run())
+                workload.close()
+        finally:
+            if bar is not None:
+                bar.stop()
+    summary = report.build(runs, workloads, args)
+    report.write(out, summary, runs)
+    report.print_summary(summary)
+    print(f"\nreport: {out / 'report.md'} (and report.json, plots, traces/)")
+    exact = all(row["mismatches"] == 0 for w in summary["workloads"].values() for row in w["epochs"])
     return 0 if exact else 1
 
 
-def _report(runs: dict[str, RunResult], args: argparse.Namespace) -> dict[str, Any]:
-    uncached = _per_epoch(runs["uncached"], args.epochs)
-    naive = _per_epoch(runs["naive"], args.epochs)
-    nosnap = _per_epoch(runs["tvcache-nosnap"], args.epochs)
-    full = _per_epoch(runs["tvcache"], args.epochs)
-    epochs = []
-    for e in range(args.epochs):
-        epochs.append(
-            {
-                "epoch": e,
-                "hit_rate": full[e]["hit_rate"],
-                "hit_rate_nosnap": nosnap[e]["hit_rate"],
-                "tool_seconds_cached": full[e]["tool_seconds"],
-                "tool_seconds_cached_nosnap": nosnap[e]["tool_seconds"],
-                "tool_seconds_uncached": uncached[e]["tool_seconds"],
-                "median_call_seconds_cached": full[e]["median_call_seconds"],
-                "median_call_seconds_uncached": uncached[e]["median_call_seconds"],
-                "mismatches": _mismatches(runs["uncached"], runs["tvcache"], e)
-                + _mismatches(runs["uncached"], runs["tvcache-nosnap"], e),
-                "naive_wrong_results": naive[e]["wrong_results"],
-                "reward_uncached": uncached[e]["reward"],
-                "reward_cached": full[e]["reward"],
-                "reward_naive": naive[e]["reward"],
-                "sandboxes_started": full[e]["sandboxes"],
-                "sandboxes_started_uncached": uncached[e]["sandboxes"],
-                "snapshot_bytes": full[e]["snapshot_bytes"],
-            }
-        )
-    return {
-        "workload": "sql",
-        "delay_seconds_per_query": args.delay,
-        "rollouts": args.rollouts,
-        "seed": args.seed,
-        "epochs": epochs,
-        "wall_seconds": {mode: run.wall_seconds for mode, run in runs.items()},
-    }
-
-
-def _print(report: dict[str, Any]) -> None:
-    print(
-        f"\n{'epoch':>5} {'hit rate':>9} {'(no snap)':>9} {'tool s cached':>14} {'uncached':>9} "
-        f"{'median speedup':>15} {'mismatches':>11} {'naive wrong':>12} {'reward':>7}"
-    )
-    for row in report["epochs"]:
-        median_c, median_u = row["median_call_seconds_cached"], row["median_call_seconds_uncached"]
-        speedup = f"{median_u / median_c:.1f}x" if median_c > 0 else "inf"
-        print(
-            f"{row['epoch']:>5} {row['hit_rate']:>9.1%} {row['hit_rate_nosnap']:>9.1%} "
-            f"{row['tool_seconds_cached']:>14.3f} {row['tool_seconds_uncached']:>9.3f} {speedup:>15} "
-            f"{row['mismatches']:>11} {row['naive_wrong_results']:>12} {row['reward_cached']:>7.2f}"
-        )
-    saved = sum(r["tool_seconds_uncached"] - r["tool_seconds_cached"] for r in report["epochs"])
-    mismatches = sum(r["mismatches"] for r in report["epochs"])
-    wrong = sum(r["naive_wrong_results"] for r in report["epochs"])
-    print(f"\ntool time saved by tvcache: {saved:.3f} s")
-    verdict = "identical to" if mismatches == 0 else f"DIFFERENT from ({mismatches} mismatches)"
-    print(f"tvcache outputs and rewards: {verdict} the uncached run")
-    print(f"naive call-keyed cache: {wrong} wrong results served")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="2 tasks per workload and 3 epochs (under 2 minutes)")
+    parser.add_argument("--epochs", type=int, default=None, help="training epochs (default 6; 3 with --quick)")
+    parser.add_argument("--rollouts", type=int, default=8, help="rollouts per task group (default 8)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: sql,shell,media")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the policies' sampling (same in every run)")
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds added per SQL query (remote database)")
+    parser.add_argument("--out", default="tvcache-demo", help="report directory (default ./tvcache-demo)")

@@ -11,6 +11,7 @@ paths: from then on it runs live and uncached, since no later state can be repro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 import warnings
@@ -118,16 +119,25 @@ class Session:
         key = key or getattr(fn, "__qualname__", None) or repr(fn)
         started = time.perf_counter()
         state = self.state
-        if state is not None:
+        if state is None:  # off the cached paths: run it live, uncached
+            value = await _call_test(fn, self._live())
+            return TestResult(key=key, value=value, hit=False, seconds=time.perf_counter() - started)
+        while True:
             found, cached = self.cache._lookup_test(self.graph, state, key)
             if found:
                 return TestResult(key=key, value=cached, hit=True, seconds=time.perf_counter() - started)
-        sandbox = await self._ensure_sandbox(state) if state is not None else self._live()
-        value = fn(sandbox)
-        if inspect.isawaitable(value):
-            value = await value
-        if state is not None:
+            owner, future = self.cache._claim_test(self.graph, state, key)
+            if owner:
+                break
+            with contextlib.suppress(Exception):  # the owner failed: look again, and maybe run it ourselves
+                await asyncio.wrap_future(future)
+        try:
+            value = await _call_test(fn, await self._ensure_sandbox(state))
             self.cache._record_test(self.graph, state, key, value)
+        except BaseException as error:
+            self.cache._resolve_test(self.graph, state, key, error)
+            raise
+        self.cache._resolve_test(self.graph, state, key, None)
         return TestResult(key=key, value=value, hit=False, seconds=time.perf_counter() - started)
 
     async def close(self) -> None:
@@ -414,6 +424,13 @@ class Session:
             fresh_output=outcome.output,
         )
         self.cache._report_audit(finding)
+
+
+async def _call_test(fn: TestFunction, sandbox: Sandbox) -> Any:
+    value = fn(sandbox)
+    if inspect.isawaitable(value):
+        value = await value
+    return value
 
 
 def _is_ancestor(ancestor: Node, node: Node) -> bool:

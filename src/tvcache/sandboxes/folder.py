@@ -399,7 +399,10 @@ class FolderSandbox:
         try:
             output = await asyncio.to_thread(tool.fn, folder, **arguments)
         except Exception as error:  # the tool's failure is the agent's observation, not a broken sandbox
-            return Outcome(output=f"Error: {type(error).__name__}: {error}", is_error=True)
+            # The folder's absolute path differs in every sandbox: show paths relative to it, so the same
+            # failure reads the same wherever it happens (and a cached error equals a fresh one).
+            message = str(error).replace(str(folder) + os.sep, "").replace(str(folder), ".")
+            return Outcome(output=f"Error: {type(error).__name__}: {message}", is_error=True)
         if not isinstance(output, str):
             raise SandboxError(
                 f"folder tool {tool.spec.name!r} returned {type(output).__name__}; a FolderTool must return str"

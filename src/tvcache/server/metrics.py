@@ -1,0 +1,56 @@
+"""Prometheus text exposition of the server's counters and a lookup latency histogram (no dependency)."""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+__all__ = ["Histogram", "render"]
+
+BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class Histogram:
+    """Cumulative-bucket histogram of seconds, per label value."""
+
+    def __init__(self, buckets: tuple[float, ...] = BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts: dict[str, list[int]] = {}
+        self.sums: dict[str, float] = {}
+
+    def observe(self, label: str, seconds: float) -> None:
+        counts = self.counts.get(label)
+        if counts is None:
+            counts = self.counts[label] = [0] * (len(self.buckets) + 1)
+            self.sums[label] = 0.0
+        counts[bisect.bisect_left(self.buckets, seconds)] += 1
+        self.sums[label] += seconds
+
+    def lines(self, name: str, label_name: str) -> list[str]:
+        lines = [f"# TYPE {name} histogram"]
+        for label, counts in sorted(self.counts.items()):
+            running = 0
+            for bound, count in zip((*self.buckets, float("inf")), counts, strict=True):
+                running += count
+                le = "+Inf" if bound == float("inf") else repr(bound)
+                lines.append(f'{name}_bucket{{{label_name}="{label}",le="{le}"}} {running}')
+            lines.append(f'{name}_sum{{{label_name}="{label}"}} {self.sums[label]!r}')
+            lines.append(f'{name}_count{{{label_name}="{label}"}} {running}')
+        return lines
+
+
+_GAUGES = {"tasks", "nodes", "snapshots", "snapshot_bytes", "claims_active", "leases_active", "nondeterministic_tools"}
+
+
+def render(stats: dict[str, Any], histogram: Histogram, requests: dict[str, int]) -> str:
+    lines: list[str] = []
+    for key, value in stats.items():
+        name = f"tvcache_{key}" if key in _GAUGES else f"tvcache_{key}_total"
+        kind = "gauge" if key in _GAUGES else "counter"
+        lines.append(f"# TYPE {name} {kind}")
+        lines.append(f"{name} {value}")
+    lines.append("# TYPE tvcache_http_requests_total counter")
+    for status, count in sorted(requests.items()):
+        lines.append(f'tvcache_http_requests_total{{status="{status}"}} {count}')
+    lines.extend(histogram.lines("tvcache_lookup_seconds", "route"))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,226 @@
+"""The request and response bodies of the native ``/v1`` API, validated strictly by pydantic.
+
+Every request model forbids unknown fields, so a misspelt field is a 422 naming it rather than a silently
+ignored value. Calls travel as ``{"name": ..., "arguments": {...}}``; responses also carry the call's hex
+digest so a client can check that it rebuilt exactly the call the server keyed.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..cache import MAX_TASK_ID
+
+TaskId = Annotated[str, Field(min_length=1, max_length=MAX_TASK_ID, description="the task (prompt) id; no NUL")]
+NodeId = Annotated[int, Field(ge=0, le=2**53, description="a node id within the task (0 is the root)")]
+Seconds = Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]
+Ttl = Annotated[float, Field(gt=0.0, le=86_400.0, allow_inf_nan=False)]
+Key = Annotated[str, Field(min_length=1, max_length=1024)]
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class CallIn(Request):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class SnapshotIn(Request):
+    """A snapshot owned by a client: the server records it and never touches ``path``."""
+
+    kind: Annotated[str, Field(min_length=1, max_length=128)]
+    path: Annotated[str, Field(min_length=1, max_length=4096)]
+    bytes: Annotated[int, Field(ge=0, le=2**62)]
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class LookupIn(Request):
+    """Either ``history`` (a longest-prefix match of a whole rollout) or ``state`` + ``call`` (one step)."""
+
+    task_id: TaskId
+    history: list[CallIn] | None = Field(default=None, max_length=100_000)
+    read_only_tools: list[str] = Field(default_factory=list, max_length=10_000)
+    state: NodeId | None = None
+    call: CallIn | None = None
+
+
+class ClaimIn(Request):
+    task_id: TaskId
+    state: NodeId
+    call: CallIn
+    ttl: Ttl | None = None
+
+
+class HeartbeatIn(Request):
+    claim_id: Annotated[str, Field(min_length=1, max_length=64)]
+    ttl: Ttl | None = None
+
+
+class ResolveIn(Request):
+    """Give up a claim: ``error`` set when execution failed (waiters retry), else the call was uncacheable."""
+
+    claim_id: Annotated[str, Field(min_length=1, max_length=64)]
+    error: Annotated[str, Field(max_length=10_000)] | None = None
+
+
+class WaitIn(Request):
+    task_id: TaskId
+    state: NodeId
+    call: CallIn
+    timeout: Annotated[float, Field(ge=0.0, le=60.0, allow_inf_nan=False)] = 10.0
+
+
+class InsertIn(Request):
+    task_id: TaskId
+    parent: NodeId
+    call: CallIn
+    output: str
+    is_error: bool = False
+    seconds: Seconds
+    read_only: bool = False
+
+
+class AttachIn(Request):
+    task_id: TaskId
+    node_id: NodeId
+    snapshot: SnapshotIn
+
+
+class LeaseIn(Request):
+    task_id: TaskId
+    state: NodeId
+    kind: Annotated[str, Field(min_length=1, max_length=128)]
+    ttl: Ttl | None = None
+
+
+class ReleaseIn(Request):
+    lease_id: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class TestGetIn(Request):
+    task_id: TaskId
+    node_id: NodeId
+    key: Key
+
+
+class TestPutIn(Request):
+    task_id: TaskId
+    node_id: NodeId
+    key: Key
+    value: Any
+
+
+class NondeterministicIn(Request):
+    tool: Annotated[str, Field(min_length=1, max_length=256)]
+    reason: Annotated[str, Field(min_length=1, max_length=10_000)]
+
+
+class TouchIn(Request):
+    task_id: TaskId
+    node_ids: list[NodeId] = Field(max_length=10_000)
+
+
+# --------------------------------------------------------------------------------------------- responses
+
+
+class Response(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class SnapshotOut(Response):
+    kind: str
+    path: str
+    bytes: int
+    meta: dict[str, Any]
+
+
+class NodeOut(Response):
+    id: int
+    parent: int | None
+    name: str | None
+    arguments: dict[str, Any] | None
+    digest: str | None
+    output: str
+    is_error: bool
+    seconds: float
+    read_only: bool
+    snapshot: SnapshotOut | None = None
+    hits: int = 0
+
+
+class LookupOut(Response):
+    hit: bool
+    node: NodeOut | None
+    state: int
+    matched: int
+    snapshot: int | None
+
+
+class ClaimOut(Response):
+    status: Literal["hit", "owner", "wait"]
+    node: NodeOut | None = None
+    claim_id: str | None = None
+    ttl: float | None = None
+
+
+class WaitOut(Response):
+    status: Literal["done", "pending", "failed", "expired", "none"]
+    node: NodeOut | None = None
+    error: str | None = None
+
+
+class InsertOut(Response):
+    created: bool
+    node: NodeOut
+
+
+class AttachOut(Response):
+    attached: bool
+    evicted: list[SnapshotOut]
+
+
+class LeaseOut(Response):
+    lease_id: str | None
+    node: NodeOut | None
+    ttl: float | None
+
+
+class OkOut(Response):
+    ok: bool
+
+
+class TestOut(Response):
+    found: bool
+    value: Any = None
+
+
+class PathOut(Response):
+    nodes: list[NodeOut]
+
+
+class GraphOut(Response):
+    task_id: str
+    nodes: list[NodeOut]
+
+
+class TaskOut(Response):
+    task_id: str
+    nodes: int
+    snapshots: int
+    hits: int
+
+
+class TasksOut(Response):
+    tasks: list[TaskOut]
+
+
+class NondeterministicOut(Response):
+    tools: dict[str, str]
+
+
+class ErrorOut(Response):
+    error: dict[str, Any]

@@ -1,0 +1,458 @@
+"""What the server does, independent of HTTP: a ``Cache`` plus the state only a shared server needs.
+
+* **Claims** coalesce executions across clients: the first client missing a call at a state owns it, the others
+  wait (long-poll) for its insert. A claim has a TTL the owner renews by heartbeat; a claim whose owner stopped
+  renewing (it died) expires, its waiters are told so, and the next client to claim takes over.
+* **Leases** pin snapshots against eviction while a client forks them, also with a TTL, so a client that dies
+  holding one cannot pin it forever.
+* **Snapshots belong to clients.** The server records them and never opens, checks or deletes their paths:
+  snapshots the budget evicts are handed back in the response for their owner to free.
+
+Everything here runs on the server's event loop thread; the cache journals every insert before it returns, so
+a response is only sent for a durable insert. Claims and leases are not journaled: after a restart clients
+simply claim again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..cache import Cache
+from ..calls import ToolCall
+from ..errors import InvalidInput
+from ..graph import Lease, Node, ToolCallGraph
+from ..policies import Budget
+from ..protocol import Outcome, Snapshot
+from . import models as m
+
+__all__ = ["CacheService", "NotFound"]
+
+
+class NotFound(InvalidInput):
+    """A task, node, claim or lease the request names does not exist (HTTP 404)."""
+
+
+ClaimKey = tuple[str, int, bytes]
+
+
+@dataclass(kw_only=True)
+class Claim:
+    id: str
+    key: ClaimKey
+    expires: float
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    status: str = "pending"  # pending | done | failed | expired
+    node_id: int | None = None
+    error: str | None = None
+
+
+@dataclass(kw_only=True)
+class HeldLease:
+    id: str
+    lease: Lease
+    task_id: str
+    expires: float
+    tag: str | None = None  # the reference wire format's env id, for /unref
+
+
+def to_call(call: m.CallIn) -> ToolCall:
+    return ToolCall(call.name, call.arguments)
+
+
+def node_out(node: Node, *, hits: bool = False) -> m.NodeOut:
+    snapshot = node.snapshot
+    call = node.call
+    return m.NodeOut(
+        id=node.id,
+        parent=None if node.parent is None else node.parent.id,
+        name=None if call is None else call.name,
+        arguments=None if call is None else call.arguments,
+        digest=None if call is None else call.hexdigest,
+        output=node.output,
+        is_error=node.is_error,
+        seconds=node.seconds,
+        read_only=node.read_only,
+        snapshot=None
+        if snapshot is None
+        else m.SnapshotOut(kind=snapshot.kind, path=snapshot.path, bytes=snapshot.bytes, meta=dict(snapshot.meta)),
+        hits=node.hits if hits else 0,
+    )
+
+
+def snapshot_out(snapshot: Snapshot) -> m.SnapshotOut:
+    return m.SnapshotOut(kind=snapshot.kind, path=snapshot.path, bytes=snapshot.bytes, meta=dict(snapshot.meta))
+
+
+class CacheService:
+    """The shared state behind ``tvcache serve``."""
+
+    def __init__(
+        self,
+        data_dir: str | Path | None = None,
+        *,
+        budget: Budget | None = None,
+        fsync: bool = False,
+        claim_ttl: float = 30.0,
+        lease_ttl: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._evicted: list[Snapshot] = []
+        self.cache = Cache(
+            data_dir, budget=budget, fsync=fsync, discard=self._evicted.append, verify_snapshots=False, clock=clock
+        )
+        self.claim_ttl = claim_ttl
+        self.lease_ttl = lease_ttl
+        self._clock = clock
+        self._claims: dict[ClaimKey, Claim] = {}
+        self._claims_by_id: dict[str, Claim] = {}
+        self.leases: dict[str, HeldLease] = {}
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "lookups",
+                "lookup_hits",
+                "claims",
+                "claims_owned",
+                "claims_taken_over",
+                "waits",
+                "coalesced",
+                "inserts",
+                "inserts_existing",
+                "snapshots_attached",
+                "snapshots_evicted",
+                "leases",
+                "leases_expired",
+                "tests_stored",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------------ lookup helpers
+
+    def graph(self, task_id: str) -> ToolCallGraph:
+        """The task's graph, created on first use (a write creates a task; lookups never do)."""
+        return self.cache.graph(task_id)
+
+    def existing_graph(self, task_id: str) -> ToolCallGraph | None:
+        return self.cache.graph(task_id) if task_id in self.cache else None
+
+    def state_node(self, graph: ToolCallGraph, node_id: int) -> Node:
+        node = graph.get(node_id)
+        if node is None:
+            raise NotFound(f"task {graph.task_id!r} has no node {node_id}; look the history up again")
+        if node.read_only:
+            raise InvalidInput(f"node {node_id} is a read-only call, not a state; pass the id of its parent state")
+        return node
+
+    def node(self, task_id: str, node_id: int) -> Node:
+        graph = self.existing_graph(task_id)
+        node = None if graph is None else graph.get(node_id)
+        if node is None:
+            raise NotFound(f"task {task_id!r} has no node {node_id}")
+        return node
+
+    # ------------------------------------------------------------------ native operations
+
+    def lookup(self, body: m.LookupIn) -> m.LookupOut:
+        self.counters["lookups"] += 1
+        if body.history is not None:
+            if body.state is not None or body.call is not None:
+                raise InvalidInput("give either history, or state and call, not both")
+            history = [to_call(call) for call in body.history]
+            graph = self.existing_graph(body.task_id)
+            if graph is None:
+                return m.LookupOut(hit=False, node=None, state=0, matched=0, snapshot=None)
+            read_only = set(body.read_only_tools)
+            with self.cache._lock:
+                match = graph.match(history, is_read_only=(lambda call: call.name in read_only) if read_only else None)
+                if match.node is not None:
+                    graph.touch(match.node)
+            if match.hit:
+                self.counters["lookup_hits"] += 1
+            return m.LookupOut(
+                hit=match.hit,
+                node=None if match.node is None else node_out(match.node),
+                state=match.state.id,
+                matched=match.matched,
+                snapshot=None if match.snapshot is None else match.snapshot.id,
+            )
+        if body.state is None or body.call is None:
+            raise InvalidInput("give either history, or state and call")
+        call = to_call(body.call)
+        graph = self.existing_graph(body.task_id)
+        if graph is None:
+            if body.state != 0:
+                raise NotFound(f"task {body.task_id!r} has no node {body.state}")
+            return m.LookupOut(hit=False, node=None, state=0, matched=0, snapshot=None)
+        state = self.state_node(graph, body.state)
+        node = self.cache._lookup(graph, state, call)
+        if node is not None:
+            self.counters["lookup_hits"] += 1
+        return m.LookupOut(
+            hit=node is not None,
+            node=None if node is None else node_out(node),
+            state=state.id,
+            matched=1 if node is not None else 0,
+            snapshot=None,
+        )
+
+    def touch(self, body: m.TouchIn) -> m.OkOut:
+        graph = self.existing_graph(body.task_id)
+        if graph is not None:
+            with self.cache._lock:
+                for node_id in body.node_ids:
+                    node = graph.get(node_id)
+                    if node is not None:
+                        graph.touch(node)
+        return m.OkOut(ok=True)
+
+    def insert(self, body: m.InsertIn) -> m.InsertOut:
+        call = to_call(body.call)
+        graph = self.graph(body.task_id)
+        parent = self.state_node(graph, body.parent)
+        existing = parent.step(call)
+        outcome = Outcome(output=body.output, is_error=body.is_error)
+        node = self.cache._record(graph, parent, call, outcome, body.seconds, body.read_only)
+        self.counters["inserts" if existing is None else "inserts_existing"] += 1
+        self._finish_claim((graph.task_id, parent.id, call.digest), node_id=node.id)
+        return m.InsertOut(created=existing is None, node=node_out(node))
+
+    def path(self, task_id: str, node_id: int) -> m.PathOut:
+        node: Node | None = self.node(task_id, node_id)
+        nodes: list[m.NodeOut] = []
+        while node is not None and node.parent is not None:
+            nodes.append(node_out(node))
+            node = node.parent
+        nodes.reverse()
+        return m.PathOut(nodes=nodes)
+
+    # ------------------------------------------------------------------ claims
+
+    def claim(self, body: m.ClaimIn) -> m.ClaimOut:
+        self.counters["claims"] += 1
+        call = to_call(body.call)
+        graph = self.graph(body.task_id)
+        state = self.state_node(graph, body.state)
+        node = self.cache._lookup(graph, state, call)
+        if node is not None:
+            return m.ClaimOut(status="hit", node=node_out(node))
+        key = (graph.task_id, state.id, call.digest)
+        current = self._live_claim(key)
+        if current is not None:
+            return m.ClaimOut(status="wait", claim_id=None)
+        ttl = body.ttl or self.claim_ttl
+        claim = Claim(id=secrets.token_hex(12), key=key, expires=self._clock() + ttl)
+        self._claims[key] = claim
+        self._claims_by_id[claim.id] = claim
+        self.counters["claims_owned"] += 1
+        return m.ClaimOut(status="owner", claim_id=claim.id, ttl=ttl)
+
+    def _live_claim(self, key: ClaimKey) -> Claim | None:
+        """The pending claim on ``key``, expiring it first if its owner stopped renewing it."""
+        claim = self._claims.get(key)
+        if claim is None:
+            return None
+        if claim.expires <= self._clock():
+            self._end_claim(claim, "expired")
+            self.counters["claims_taken_over"] += 1
+            return None
+        return claim
+
+    def _end_claim(self, claim: Claim, status: str, *, node_id: int | None = None, error: str | None = None) -> None:
+        claim.status, claim.node_id, claim.error = status, node_id, error
+        claim.done.set()
+        if self._claims.get(claim.key) is claim:
+            del self._claims[claim.key]
+        self._claims_by_id.pop(claim.id, None)
+
+    def _finish_claim(self, key: ClaimKey, *, node_id: int) -> None:
+        claim = self._claims.get(key)
+        if claim is not None:
+            self._end_claim(claim, "done", node_id=node_id)
+
+    def heartbeat(self, body: m.HeartbeatIn) -> m.ClaimOut:
+        claim = self._claims_by_id.get(body.claim_id)
+        if claim is None or self._live_claim(claim.key) is not claim:
+            raise NotFound(f"claim {body.claim_id} is no longer held (it finished, or expired and was taken over)")
+        ttl = body.ttl or self.claim_ttl
+        claim.expires = self._clock() + ttl
+        return m.ClaimOut(status="owner", claim_id=claim.id, ttl=ttl)
+
+    def resolve(self, body: m.ResolveIn) -> m.OkOut:
+        claim = self._claims_by_id.get(body.claim_id)
+        if claim is None:
+            return m.OkOut(ok=False)
+        if body.error is not None:
+            self._end_claim(claim, "failed", error=body.error)
+        else:  # executed but not cacheable here: waiters execute it themselves, uncached
+            self._end_claim(claim, "done", node_id=None)
+        return m.OkOut(ok=True)
+
+    async def wait(self, body: m.WaitIn) -> m.WaitOut:
+        """Long-poll until the claim on (state, call) finishes, fails, expires, or ``timeout`` passes."""
+        self.counters["waits"] += 1
+        call = to_call(body.call)
+        graph = self.existing_graph(body.task_id)
+        if graph is None:
+            return m.WaitOut(status="none")
+        state = self.state_node(graph, body.state)
+        deadline = time.monotonic() + body.timeout
+        while True:
+            node = state.step(call)
+            if node is not None:
+                self.counters["coalesced"] += 1
+                return m.WaitOut(status="done", node=node_out(node))
+            claim = self._live_claim((graph.task_id, state.id, call.digest))
+            if claim is None:
+                return m.WaitOut(status="none")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return m.WaitOut(status="pending")
+            # Wake at the claim's expiry too, so a dead owner is noticed without a sweeper.
+            until_expiry = max(0.0, claim.expires - self._clock()) + 0.001
+            try:
+                await asyncio.wait_for(claim.done.wait(), timeout=min(remaining, until_expiry))
+            except TimeoutError:
+                continue
+            if claim.status == "done":
+                if claim.node_id is None:
+                    return m.WaitOut(status="done", node=None)
+                continue  # the node is in the graph now: answered at the top of the loop
+            if claim.status == "failed":
+                return m.WaitOut(status="failed", error=claim.error)
+            return m.WaitOut(status="expired")
+
+    # ------------------------------------------------------------------ snapshots
+
+    def attach(self, body: m.AttachIn) -> m.AttachOut:
+        graph = self.graph(body.task_id)
+        node = self.state_node(graph, body.node_id)
+        snapshot = Snapshot(
+            kind=body.snapshot.kind, path=body.snapshot.path, bytes=body.snapshot.bytes, meta=body.snapshot.meta
+        )
+        attached, evicted = self.attach_snapshot(graph, node, snapshot)
+        return m.AttachOut(attached=attached, evicted=[snapshot_out(old) for old in evicted])
+
+    def attach_snapshot(self, graph: ToolCallGraph, node: Node, snapshot: Snapshot) -> tuple[bool, list[Snapshot]]:
+        """Attach; returns whether it was attached and the snapshots whose owners must now free them (the new
+        one itself when the node already had a snapshot)."""
+        had = node.snapshot is not None
+        self._evicted.clear()
+        self.cache._attach_snapshot(graph, node, snapshot)
+        evicted = list(self._evicted)
+        self._evicted.clear()
+        if not had:
+            self.counters["snapshots_attached"] += 1
+            self.counters["snapshots_evicted"] += len(evicted)
+        return not had, evicted
+
+    def lease(self, body: m.LeaseIn) -> m.LeaseOut:
+        graph = self.existing_graph(body.task_id)
+        if graph is None:
+            return m.LeaseOut(lease_id=None, node=None, ttl=None)
+        state = self.state_node(graph, body.state)
+        lease = self.cache._lease_snapshot(state, body.kind)
+        if lease is None:
+            return m.LeaseOut(lease_id=None, node=None, ttl=None)
+        held = self.hold(lease, graph.task_id, ttl=body.ttl)
+        return m.LeaseOut(lease_id=held.id, node=node_out(lease.node), ttl=held.expires - self._clock())
+
+    def hold(self, lease: Lease, task_id: str, *, ttl: float | None = None, tag: str | None = None) -> HeldLease:
+        expires = self._clock() + (ttl or self.lease_ttl)
+        held = HeldLease(id=secrets.token_hex(12), lease=lease, task_id=task_id, expires=expires, tag=tag)
+        self.leases[held.id] = held
+        self.counters["leases"] += 1
+        return held
+
+    def release(self, body: m.ReleaseIn) -> m.OkOut:
+        return m.OkOut(ok=self.release_lease(body.lease_id))
+
+    def release_lease(self, lease_id: str) -> bool:
+        held = self.leases.pop(lease_id, None)
+        if held is None:
+            return False
+        self.cache._release(held.lease)
+        return True
+
+    def sweep(self) -> int:
+        """Release expired leases and expire abandoned claims; returns how many were ended."""
+        now = self._clock()
+        ended = 0
+        for held in [held for held in self.leases.values() if held.expires <= now]:
+            self.release_lease(held.id)
+            self.counters["leases_expired"] += 1
+            ended += 1
+        for claim in [claim for claim in self._claims.values() if claim.expires <= now]:
+            self._end_claim(claim, "expired")
+            self.counters["claims_taken_over"] += 1
+            ended += 1
+        return ended
+
+    # ------------------------------------------------------------------ tests, tools
+
+    def test_get(self, body: m.TestGetIn) -> m.TestOut:
+        graph = self.existing_graph(body.task_id)
+        node = None if graph is None else graph.get(body.node_id)
+        if graph is None or node is None:
+            return m.TestOut(found=False)
+        found, value = self.cache._lookup_test(graph, node, body.key)
+        return m.TestOut(found=found, value=value)
+
+    def test_put(self, body: m.TestPutIn) -> m.OkOut:
+        graph = self.graph(body.task_id)
+        node = self.state_node(graph, body.node_id)
+        self.cache._record_test(graph, node, body.key, body.value)
+        self.counters["tests_stored"] += 1
+        return m.OkOut(ok=True)
+
+    def mark_nondeterministic(self, body: m.NondeterministicIn) -> m.NondeterministicOut:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.cache.mark_nondeterministic(body.tool, body.reason)
+        return m.NondeterministicOut(tools=self.cache.nondeterministic_tools)
+
+    # ------------------------------------------------------------------ inspection
+
+    def stats(self) -> dict[str, Any]:
+        stats = self.cache.stats()
+        return {
+            "tasks": stats.tasks,
+            "nodes": stats.nodes,
+            "snapshots": stats.snapshots,
+            "snapshot_bytes": stats.snapshot_bytes,
+            "claims_active": len(self._claims),
+            "leases_active": len(self.leases),
+            "nondeterministic_tools": len(self.cache.nondeterministic_tools),
+            "lookup_misses": self.counters["lookups"] - self.counters["lookup_hits"],
+            **self.counters,
+        }
+
+    def tasks(self) -> m.TasksOut:
+        out = []
+        for task_id in self.cache.tasks():
+            graph = self.cache.graph(task_id)
+            stats = graph.stats()
+            out.append(
+                m.TaskOut(task_id=task_id, nodes=stats["nodes"], snapshots=stats["snapshots"], hits=stats["hits"])
+            )
+        return m.TasksOut(tasks=out)
+
+    def export(self, task_id: str) -> m.GraphOut:
+        graph = self.existing_graph(task_id)
+        if graph is None:
+            raise NotFound(f"no task {task_id!r}")
+        nodes = sorted(graph.nodes(), key=lambda node: node.id)
+        return m.GraphOut(task_id=task_id, nodes=[node_out(node, hits=True) for node in nodes])
+
+    def close(self) -> None:
+        for lease_id in list(self.leases):
+            self.release_lease(lease_id)
+        for claim in list(self._claims.values()):
+            self._end_claim(claim, "expired")
+        self.cache.close()
