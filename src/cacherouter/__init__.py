@@ -1,3 +1,98 @@
-"""cacherouter: cache-preserving tool routing for serving agents (not built yet; see the issues)."""
+"""cacherouter: cache-preserving dual-path tool routing for serving agents.
 
-__all__: list[str] = []
+The main model sees a fixed, canonically serialised tool view (core packages + ``INTERNAL_ROUTER``); every other
+tool is reached through a router channel. Tools are argparse scripts in a package/skill/script repository whose
+schemas are read statically and hot-reloaded. See ``DESIGN.md`` ("cacherouter in one page").
+"""
+
+from .accounting import Ledger, RecordingModel, Summary
+from .agent import Agent, AgentConfig, Answer
+from .argparse_ast import Extraction, extract_static
+from .cachemodel import AnthropicCacheModel, DeepSeekCacheModel, OpenAICacheModel, PrefixCacheModel, cache_model
+from .errors import (
+    ArgumentError,
+    CacheRouterError,
+    ConfigError,
+    ModelError,
+    RegistryError,
+    SchemaError,
+    SessionError,
+    ToolExecutionError,
+)
+from .executor import ToolResult, build_argv, run_script
+from .gateway import Gateway, GatewayConfig, ReloadOutcome
+from .mainview import MainView
+from .models import (
+    ChatRequest,
+    ChatResponse,
+    EndpointConfig,
+    OpenAICompatibleModel,
+    ScriptedModel,
+    SimulatedProvider,
+    ToolCall,
+)
+from .registry import Limits, Problem, Registry, ToolSpec, build_registry, script_schema
+from .relevance import BM25, KeywordHitRatio, evaluate_ranker
+from .router import Router, RouterConfig, compress_task, filter_candidates
+from .schema import ArgumentSpec, ScriptSchema
+from .session import Session
+from .skills import SkillParam, build_skill
+from .usage import Usage, parse_usage
+
+__all__ = [
+    "BM25",
+    "Agent",
+    "AgentConfig",
+    "Answer",
+    "AnthropicCacheModel",
+    "ArgumentError",
+    "ArgumentSpec",
+    "CacheRouterError",
+    "ChatRequest",
+    "ChatResponse",
+    "ConfigError",
+    "DeepSeekCacheModel",
+    "EndpointConfig",
+    "Extraction",
+    "Gateway",
+    "GatewayConfig",
+    "KeywordHitRatio",
+    "Ledger",
+    "Limits",
+    "MainView",
+    "ModelError",
+    "OpenAICacheModel",
+    "OpenAICompatibleModel",
+    "PrefixCacheModel",
+    "Problem",
+    "RecordingModel",
+    "Registry",
+    "RegistryError",
+    "ReloadOutcome",
+    "Router",
+    "RouterConfig",
+    "SchemaError",
+    "ScriptSchema",
+    "ScriptedModel",
+    "Session",
+    "SessionError",
+    "SimulatedProvider",
+    "SkillParam",
+    "Summary",
+    "ToolCall",
+    "ToolExecutionError",
+    "ToolResult",
+    "ToolSpec",
+    "Usage",
+    "build_argv",
+    "build_registry",
+    "build_skill",
+    "cache_model",
+    "compress_task",
+    "evaluate_ranker",
+    "extract_static",
+    "filter_candidates",
+    "parse_usage",
+    "run_script",
+    "script_schema",
+]

@@ -1,0 +1,257 @@
+"""The main channel: first-round triage, the tool loop, deep thinking and the honest fallback.
+
+Every main-model request carries the same ``MainView.tools_json`` and the same system prompt, so the request
+head never changes. Triage differs from the loop only in ``tool_choice="none"`` and in using the compact history
+(the paper also swaps the tool list for triage; we keep one tool segment so both share the cached head).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .canonical import canonical_json
+from .errors import CacheRouterError
+from .gateway import Gateway
+from .mainview import MainView
+from .models import ChatModel, ChatRequest, Message, ToolCall
+from .prompts import (
+    DEEP_THINKING,
+    DIRECT_ANSWER,
+    FALLBACK,
+    MAIN_SYSTEM,
+    NEED_TOOLS,
+    PLACEHOLDER_TOOL,
+    ROUTER_TOOL,
+    UNCERTAIN,
+)
+from .router import Router, router_arguments
+from .session import Session
+
+# Output that reports failure although the process exited 0: the "implicit" errors.
+IMPLICIT_ERROR = re.compile(
+    r"permission denied|no such file|not found|does not exist|unavailable|traceback \(most recent|^error[:\s]",
+    re.IGNORECASE | re.MULTILINE,
+)
+REPLAN_NOTE = "This call failed. Do not repeat it unchanged: re-plan from the error."
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    round_limit: int = 8  # R1: tool rounds before deep thinking is forced
+    extended_round_limit: int = 14  # R2: the limit once deep thinking has run
+    slow_seconds: float = 60.0
+    fragmentation_rounds: int = 4
+    max_parallel: int = 4
+    summary_chars: int = 400
+    tool_timeout: float = 60.0
+    triage: bool = True
+    sessions_dir: Path | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallRecord:
+    name: str
+    ok: bool
+    routed_to: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answer:
+    text: str
+    path: str  # "direct", "tools" or "fallback"
+    rounds: int
+    router_calls: int
+    calls: tuple[CallRecord, ...]
+    errors: int
+    deep_thinking: tuple[str, ...]
+
+
+class Agent:
+    def __init__(
+        self,
+        *,
+        gateway: Gateway,
+        main_model: ChatModel,
+        router: Router,
+        config: AgentConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.gateway = gateway
+        self.main = main_model
+        self.router = router
+        self.config = config or AgentConfig()
+        self.clock = clock
+
+    def new_session(self, view: MainView) -> Session:
+        return Session(view=view)
+
+    def ask(self, session: Session, query: str) -> Answer:
+        system: Message = {"role": "system", "content": MAIN_SYSTEM}
+        user: Message = {"role": "user", "content": query}
+        view = session.view
+        if self.config.triage:
+            reply = self.main.complete(
+                ChatRequest(
+                    messages=(system, *session.compact, user),
+                    tools_json=view.tools_json,
+                    tool_choice="none",
+                    channel="triage",
+                )
+            )
+            if NEED_TOOLS not in reply.content:
+                text = _strip_markers(reply.content)
+                self._finish(session, [user, {"role": "assistant", "content": text}], text, "direct")
+                return Answer(text=text, path="direct", rounds=0, router_calls=0, calls=(), errors=0, deep_thinking=())
+        return self._loop(session, system, user)
+
+    def _loop(self, session: Session, system: Message, user: Message) -> Answer:
+        start = self.clock()
+        new: list[Message] = [user]
+        rounds = penalty = errors = router_calls = 0
+        limit = self.config.round_limit
+        deep: list[str] = []
+        calls: list[CallRecord] = []
+        while True:
+            if rounds + penalty >= limit:
+                if deep:
+                    break
+                deep.append("round limit reached without an answer")
+                limit = self.config.extended_round_limit
+                new.append({"role": "user", "content": DEEP_THINKING.format(reason=deep[-1])})
+            reply = self.main.complete(
+                ChatRequest(
+                    messages=(system, *session.full, *new),
+                    tools_json=session.view.tools_json,
+                    tool_choice="auto",
+                    channel="main",
+                )
+            )
+            rounds += 1
+            if not reply.tool_calls:
+                text = _strip_markers(reply.content)
+                new.append({"role": "assistant", "content": text})
+                self._finish(session, new, text, "tools")
+                return Answer(
+                    text=text,
+                    path="tools",
+                    rounds=rounds,
+                    router_calls=router_calls,
+                    calls=tuple(calls),
+                    errors=errors,
+                    deep_thinking=tuple(deep),
+                )
+            new.append(reply.assistant_message())
+            context = [str(m.get("content", ""))[:300] for m in new if m.get("role") == "tool"][-3:]
+            results = self._run_calls(session.view, reply.tool_calls, context)
+            failed_round = False
+            for call, (content, record) in zip(reply.tool_calls, results, strict=True):
+                new.append({"role": "tool", "tool_call_id": call.id, "content": content})
+                calls.append(record)
+                router_calls += call.name == ROUTER_TOOL
+                if not record.ok:
+                    errors += 1
+                    failed_round = True
+            if failed_round:
+                penalty += 1  # a failed round costs one extra round of budget, so loops on errors end sooner
+            if not deep:
+                reason = None
+                if self.clock() - start > self.config.slow_seconds:
+                    reason = f"more than {self.config.slow_seconds:g}s spent"
+                elif rounds >= self.config.fragmentation_rounds:
+                    reason = f"{rounds} consecutive tool rounds"
+                if reason is not None:
+                    deep.append(reason)
+                    limit = self.config.extended_round_limit
+                    new.append({"role": "user", "content": DEEP_THINKING.format(reason=reason)})
+        text = self._fallback(session, system, new)
+        self._finish(session, new, text, "fallback")
+        return Answer(
+            text=text,
+            path="fallback",
+            rounds=rounds,
+            router_calls=router_calls,
+            calls=tuple(calls),
+            errors=errors,
+            deep_thinking=tuple(deep),
+        )
+
+    def _fallback(self, session: Session, system: Message, new: list[Message]) -> str:
+        new.append({"role": "user", "content": FALLBACK})
+        reply = self.main.complete(
+            ChatRequest(
+                messages=(system, *session.full, *new),
+                tools_json=session.view.tools_json,
+                tool_choice="none",
+                channel="fallback",
+            )
+        )
+        text = _strip_markers(reply.content)
+        if not text:
+            text = "I could not finish this task with the tools available, and will not guess the result."
+        if UNCERTAIN not in text:
+            text = f"{UNCERTAIN} {text}"
+        new.append({"role": "assistant", "content": text})
+        return text
+
+    def _run_calls(
+        self, view: MainView, tool_calls: tuple[ToolCall, ...], context: list[str]
+    ) -> list[tuple[str, CallRecord]]:
+        workers = max(1, min(len(tool_calls), self.config.max_parallel))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(lambda call: self._run_call(view, call, context), tool_calls))
+
+    def _run_call(self, view: MainView, call: ToolCall, context: list[str]) -> tuple[str, CallRecord]:
+        """Always returns one result per call: a tool message is owed for every tool_call id."""
+        try:
+            if call.raw_arguments:
+                return _error(call.name, f"arguments are not a JSON object: {call.raw_arguments[:200]}")
+            if call.name == ROUTER_TOOL:
+                task, hint = router_arguments(call.arguments)
+                outcome = self.router.route(task, hint=hint, context=context)
+                payload = dict(outcome.payload)
+                ok = outcome.status == "ok" and not _implicit_error(payload)
+                if not ok:
+                    payload["note"] = REPLAN_NOTE
+                return canonical_json(payload), CallRecord(name=call.name, ok=ok, routed_to=outcome.tool)
+            if call.name == PLACEHOLDER_TOOL:
+                return _error(
+                    call.name,
+                    f"{PLACEHOLDER_TOOL} is a placeholder and cannot be called; use a listed " f"tool or {ROUTER_TOOL}",
+                )
+            if not view.is_core(call.name):
+                return _error(call.name, f"no tool {call.name!r} here; use a listed tool or {ROUTER_TOOL}")
+            result = self.gateway.call(call.name, call.arguments, timeout=self.config.tool_timeout)
+            payload = result.to_json()
+            ok = result.ok and not _implicit_error(payload)
+            if not ok:
+                payload["note"] = REPLAN_NOTE
+            return canonical_json(payload), CallRecord(name=call.name, ok=ok)
+        except CacheRouterError as e:
+            return _error(call.name, str(e))
+
+    def _finish(self, session: Session, new: list[Message], text: str, path: str) -> None:
+        session.full.extend(new)
+        summary = text if len(text) <= self.config.summary_chars else text[: self.config.summary_chars] + "..."
+        session.compact.extend([new[0], {"role": "assistant", "content": summary}])
+        session.turns.append({"query": new[0]["content"], "answer": text, "path": path})
+        if self.config.sessions_dir is not None:
+            session.save(self.config.sessions_dir)
+
+
+def _strip_markers(text: str) -> str:
+    return text.replace(NEED_TOOLS, "").replace(DIRECT_ANSWER, "").strip()
+
+
+def _implicit_error(payload: dict[str, Any]) -> bool:
+    return bool(IMPLICIT_ERROR.search(str(payload.get("stdout", ""))))
+
+
+def _error(name: str, message: str) -> tuple[str, CallRecord]:
+    payload = {"status": "error", "tool": name, "error": message, "note": REPLAN_NOTE}
+    return canonical_json(payload), CallRecord(name=name, ok=False)

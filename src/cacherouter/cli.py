@@ -1,0 +1,137 @@
+"""The ``cacherouter`` command: inspect tool schemas and registries, run the offline evaluation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import CacheRouterError
+from .registry import build_registry, script_schema
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    out = {}
+    failed = False
+    for path in args.scripts:
+        script = Path(path)
+        try:
+            schema = script_schema(script, allow_reflection=args.allow_reflection)
+        except (CacheRouterError, OSError) as e:
+            print(f"{script}: {e}", file=sys.stderr)
+            failed = True
+            continue
+        out[str(script)] = {
+            "name": script.stem,
+            "description": schema.description,
+            "inputSchema": schema.json_schema(),
+            "source": schema.source,
+            "warnings": list(schema.warnings),
+        }
+    print(json.dumps(out, indent=2, ensure_ascii=False))
+    return 1 if failed else 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    registry = build_registry(Path(args.repo), allow_reflection=args.allow_reflection)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "tools": [
+                        {
+                            "name": t.name,
+                            "package": t.package,
+                            "skill": t.skill,
+                            "description": t.description,
+                            "inputSchema": t.input_schema(),
+                        }
+                        for t in registry
+                    ],
+                    "problems": [{"path": p.path, "message": p.message} for p in registry.problems],
+                },
+                indent=2,
+                ensure_ascii=False,
+            )
+        )
+        return 0
+    for package, names in registry.packages.items():
+        print(f"{package}:")
+        for name in names:
+            print(f"  {name:<24} {registry.tools[name].description[:90]}")
+    for problem in registry.problems:
+        print(f"skipped {problem.path}: {problem.message}", file=sys.stderr)
+    return 0
+
+
+def _pct(value: float | None) -> str:
+    return "   n/a" if value is None else f"{value * 100:6.2f}%"
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from .evaluation.runner import ARCHITECTURES, results_json, run_all
+    from .tokens import default_tokenizer
+
+    tokenizer = default_tokenizer()
+    results = run_all(architectures=args.architectures or ARCHITECTURES, workloads=args.workloads, tokenizer=tokenizer)
+    print("Offline evaluation: SCRIPTED models (no LLM API reachable), offline DeepSeek prefix-cache model,")
+    print(f"hit tokens priced at 1/30 of miss tokens; tokenizer: {tokenizer.name}.")
+    header = (
+        f"{'workload':<9} {'architecture':<12} {'requests':>8} {'input tok':>10} {'cached tok':>10} "
+        f"{'hit rate':>8} {'cost ratio':>10} {'cost (miss-tok eq.)':>20} {'main tool segs':>14}"
+    )
+    print(header)
+    for r in results:
+        s = r.summary
+        cost = (s.prompt_tokens - s.cached_tokens) + s.cached_tokens / 30
+        print(
+            f"{r.workload:<9} {r.architecture:<12} {s.requests:>8} {s.prompt_tokens:>10} {s.cached_tokens:>10} "
+            f"{_pct(s.hit_rate):>8} {_pct(s.cost_ratio):>10} {cost:>20.0f} {r.main_tool_segments:>14}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results_json(results, tokenizer.name), indent=2) + "\n")
+        print(f"figures written to {args.json}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cacherouter", description="Cache-preserving dual-path tool routing.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    tools = sub.add_parser("tools", help="inspect tool scripts and registries").add_subparsers(
+        dest="tools_command", required=True
+    )
+    schema = tools.add_parser("schema", help="print the JSON schemas of scripts (static analysis)")
+    schema.add_argument("scripts", nargs="+", help="tool scripts")
+    schema.add_argument(
+        "--allow-reflection",
+        action="store_true",
+        help="run scripts whose parser is built dynamically, to read it (executes their code)",
+    )
+    schema.set_defaults(func=_cmd_schema)
+    listing = tools.add_parser("list", help="print the registry of a tool repository")
+    listing.add_argument("--repo", required=True, help="repository root (package/skill/script)")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    listing.add_argument("--allow-reflection", action="store_true", help="allow reflection fallback")
+    listing.set_defaults(func=_cmd_list)
+    evaluate = sub.add_parser("eval", help="run the scripted 55-query suite and 30-turn dialogue, three ways")
+    evaluate.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    evaluate.add_argument("--workloads", nargs="+", choices=["suite", "dialogue"], default=["suite", "dialogue"])
+    evaluate.add_argument("--architectures", nargs="+", choices=["cacherouter", "all-tools", "dynamic"])
+    evaluate.set_defaults(func=_cmd_eval)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except CacheRouterError as e:
+        print(f"cacherouter: {e}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

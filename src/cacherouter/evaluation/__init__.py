@@ -1,0 +1,1 @@
+"""The offline evaluation: scripted workloads run under three request architectures."""

@@ -1,0 +1,73 @@
+"""Reading prompt-cache usage from each provider's response, without guessing.
+
+A provider that does not report cached tokens has *unknown* cached tokens (None), never zero: vLLM and SGLang
+only emit ``prompt_tokens_details`` when started with a flag, and treating absence as 0 would report a 0% hit
+rate for a server that may be caching everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Usage:
+    """Normalised usage of one request. None means the provider did not say."""
+
+    provider: str
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    cache_write_tokens: int | None = None
+    completion_tokens: int | None = None
+
+    @property
+    def miss_tokens(self) -> int | None:
+        if self.prompt_tokens is None or self.cached_tokens is None:
+            return None
+        return self.prompt_tokens - self.cached_tokens
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def parse_usage(usage: Mapping[str, Any] | None, provider: str | None = None) -> Usage:
+    """Normalise a ``usage`` object. ``provider`` ("deepseek", "openai", "anthropic", "vllm") or auto-detect."""
+    usage = usage or {}
+    kind = provider or detect_provider(usage)
+    if kind == "anthropic":
+        read = _int(usage.get("cache_read_input_tokens"))
+        write = _int(usage.get("cache_creation_input_tokens"))
+        uncached = _int(usage.get("input_tokens"))
+        # Anthropic's input_tokens is only the uncached remainder; the prompt is the sum of the three.
+        prompt = None if uncached is None else uncached + (read or 0) + (write or 0)
+        return Usage(
+            provider=kind,
+            prompt_tokens=prompt,
+            cached_tokens=read,
+            cache_write_tokens=write,
+            completion_tokens=_int(usage.get("output_tokens")),
+        )
+    prompt = _int(usage.get("prompt_tokens"))
+    completion = _int(usage.get("completion_tokens"))
+    if kind == "deepseek":
+        hit = _int(usage.get("prompt_cache_hit_tokens"))
+        miss = _int(usage.get("prompt_cache_miss_tokens"))
+        if prompt is None and hit is not None and miss is not None:
+            prompt = hit + miss
+        return Usage(provider=kind, prompt_tokens=prompt, cached_tokens=hit, completion_tokens=completion)
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    cached = _int(details.get("cached_tokens")) if isinstance(details, Mapping) else None
+    if prompt is None:
+        prompt = _int(usage.get("input_tokens"))
+    return Usage(provider=kind, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion)
+
+
+def detect_provider(usage: Mapping[str, Any]) -> str:
+    if "prompt_cache_hit_tokens" in usage or "prompt_cache_miss_tokens" in usage:
+        return "deepseek"
+    if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
+        return "anthropic"
+    return "openai"

@@ -1,0 +1,3 @@
+"""Print the date. Takes no arguments."""
+
+print("2026-01-01")

@@ -1,0 +1,212 @@
+from support import add_tool, make_repo
+
+from cacherouter.accounting import Ledger, RecordingModel
+from cacherouter.agent import Agent, AgentConfig
+from cacherouter.cachemodel import DeepSeekCacheModel
+from cacherouter.gateway import Gateway, GatewayConfig
+from cacherouter.mainview import MainView
+from cacherouter.models import ChatRequest, ChatResponse, ScriptedModel, SimulatedProvider, ToolCall
+from cacherouter.prompts import DIRECT_ANSWER, NEED_TOOLS, PLACEHOLDER_TOOL, ROUTER_TOOL, UNCERTAIN
+from cacherouter.registry import build_registry
+from cacherouter.relevance import BM25, KeywordHitRatio, evaluate_ranker
+from cacherouter.router import Router, RouterConfig, compress_task, filter_candidates
+from cacherouter.session import Session
+from cacherouter.skills import SkillParam, build_skill
+
+
+def _rounds(request: ChatRequest) -> int:
+    last_user = max(
+        i
+        for i, m in enumerate(request.messages)
+        if m["role"] == "user" and not str(m["content"]).startswith(("[RE-PLAN]", "[FINAL]"))
+    )
+    return sum(1 for m in request.messages[last_user:] if m["role"] == "assistant")
+
+
+def make_agent(tmp_path, main_respond, router_respond=None, **config):
+    root = make_repo(tmp_path / "repo")
+    gateway = Gateway(GatewayConfig(root=root))
+    ledger = Ledger()
+    cache = DeepSeekCacheModel()
+    main = RecordingModel(SimulatedProvider(ScriptedModel(main_respond), cache), ledger)
+    router_model = RecordingModel(
+        SimulatedProvider(ScriptedModel(router_respond or (lambda r: ChatResponse())), cache), ledger
+    )
+    view = MainView.from_registry(gateway.registry, ("base",))
+    router = Router(gateway, router_model, core_tools=frozenset(view.core_tools))
+    agent = Agent(gateway=gateway, main_model=main, router=router, config=AgentConfig(**config))
+    return agent, Session(view=view), ledger, root
+
+
+def test_triage_direct_answer_uses_one_request(tmp_path):
+    agent, session, ledger, _ = make_agent(tmp_path, lambda r: ChatResponse(content=f"4. {DIRECT_ANSWER}"))
+    answer = agent.ask(session, "2+2?")
+    assert (answer.path, answer.text, answer.rounds) == ("direct", "4.", 0)
+    assert [r.channel for r in ledger.records] == ["triage"]
+    assert session.compact == session.full
+
+
+def test_parallel_calls_router_placeholder_and_unmatched_calls(tmp_path):
+    def main(request):
+        if request.channel == "triage":
+            return ChatResponse(content=f"needs tools {NEED_TOOLS}")
+        if _rounds(request) == 0:
+            return ChatResponse(
+                tool_calls=(
+                    ToolCall(id="a", name="echo_text", arguments={"text": "x"}),
+                    ToolCall(id="b", name=ROUTER_TOOL, arguments={"task": "weather report for a city"}),
+                    ToolCall(id="c", name=PLACEHOLDER_TOOL, arguments={"intent_summary": "x"}),
+                    ToolCall(id="d", name="no_such_tool", arguments={}),
+                )
+            )
+        return ChatResponse(content="all done")
+
+    def router(request):
+        assert "echo_text" not in request.tools_json  # yellowlist keeps core tools out of the router
+        return ChatResponse(tool_calls=(ToolCall(id="r", name="city_weather", arguments={"text": "Paris"}),))
+
+    agent, session, ledger, _ = make_agent(tmp_path, main, router)
+    answer = agent.ask(session, "do things")
+    assert answer.path == "tools"
+    assert answer.router_calls == 1
+    tool_messages = [m for m in session.full if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in tool_messages] == ["a", "b", "c", "d"]
+    assert "city_weather:Paris" in tool_messages[1]["content"]
+    assert "cannot be called" in tool_messages[2]["content"]
+    assert "no tool" in tool_messages[3]["content"]
+    assert [c.ok for c in answer.calls] == [True, True, False, False]
+    assert {r.channel for r in ledger.records} == {"triage", "main", "router"}
+
+
+def test_errors_penalty_deep_thinking_and_honest_fallback(tmp_path):
+    def main(request):
+        if request.channel == "triage":
+            return ChatResponse(content=NEED_TOOLS)
+        if request.channel == "fallback":
+            return ChatResponse(content="The city is unknown.")
+        return ChatResponse(
+            tool_calls=(ToolCall(id=f"c{_rounds(request)}", name="echo_text", arguments={"text": "no such file"}),)
+        )
+
+    agent, session, _, _ = make_agent(tmp_path, main, round_limit=4, extended_round_limit=6)
+    answer = agent.ask(session, "impossible")
+    assert answer.path == "fallback"
+    assert answer.text.startswith(UNCERTAIN)
+    assert answer.errors == answer.rounds == 3  # implicit errors: each round costs two of the 6-round budget
+    assert answer.deep_thinking
+    assert any(str(m["content"]).startswith("[RE-PLAN]") for m in session.full)
+
+
+def test_slow_execution_triggers_deep_thinking(tmp_path):
+    ticks = iter(range(0, 1000, 100))
+
+    def main(request):
+        if request.channel == "triage":
+            return ChatResponse(content=NEED_TOOLS)
+        if _rounds(request) < 2:
+            return ChatResponse(tool_calls=(ToolCall(id="x", name="show_time", arguments={}),))
+        return ChatResponse(content="ok")
+
+    agent, session, _, _ = make_agent(tmp_path, main)
+    agent.clock = lambda: float(next(ticks))
+    answer = agent.ask(session, "slow")
+    assert answer.deep_thinking == ("more than 60s spent",)
+
+
+def test_session_persisted_and_resumed_with_the_same_view(tmp_path):
+    agent, session, _, root = make_agent(
+        tmp_path, lambda r: ChatResponse(content="hi"), sessions_dir=tmp_path / "sessions"
+    )
+    agent.ask(session, "hello")
+    add_tool(root, "base", "new", "new_core_tool")  # the core package grows: a new view would differ
+    agent.gateway.poll()
+    loaded = Session.load(tmp_path / "sessions", session.id)
+    assert loaded.view.tools_json == session.view.tools_json
+    assert loaded.full == session.full
+    assert MainView.from_registry(agent.gateway.registry, ("base",)).tools_json != loaded.view.tools_json
+
+
+def test_tool_segment_is_byte_identical_across_reloads_skills_and_restarts(tmp_path):
+    def main(request):
+        if request.channel == "triage":
+            return ChatResponse(content=NEED_TOOLS)
+        if _rounds(request) == 0:
+            return ChatResponse(tool_calls=(ToolCall(id="r", name=ROUTER_TOOL, arguments={"task": "stock price"}),))
+        return ChatResponse(content="done")
+
+    agent, session, ledger, root = make_agent(
+        tmp_path, main, lambda r: ChatResponse(tool_calls=(ToolCall(id="s", name="stock_price", arguments={}),))
+    )
+    agent.ask(session, "q1")
+    add_tool(root, "tail", "more", "more_tool")  # hot reload
+    (root / "tail" / "weather" / "city_weather.py").write_text("import argparse\nbroken(\n")  # broken script
+    agent.gateway.poll()
+    agent.ask(session, "q2")
+    build_skill(
+        root,
+        name="say_hi",
+        description="Say hi.",
+        params=[SkillParam(name="who", default="x")],
+        body="print('hi', args.who)",
+        check_arguments={"who": "y"},
+    )  # bootstrapped skill
+    agent.gateway.close()
+    agent.gateway = Gateway(GatewayConfig(root=root))  # gateway restart
+    agent.router.gateway = agent.gateway
+    agent.ask(session, "q3")
+    assert "say_hi" in agent.gateway.registry.tools
+    main_digests = {r.tools_digest for r in ledger.records if r.channel in ("triage", "main", "fallback")}
+    assert len(main_digests) == 1
+    assert len([r for r in ledger.records if r.channel != "router"]) == 9
+
+
+def test_router_filter_stages():
+    registry = build_registry(make_repo_path())
+    tools = list(registry)
+    core = frozenset({"echo_text", "show_time"})
+    config = RouterConfig(top_k=5)
+    assert filter_candidates("weather for a city", tools, config=config, core_tools=core)[0].name == "city_weather"
+    black = RouterConfig(blacklist=frozenset({"city_weather"}))
+    assert "city_weather" not in [
+        t.name for t in filter_candidates("weather city", tools, config=black, core_tools=core)
+    ]
+    white = RouterConfig(whitelist=frozenset({"stock_price"}))
+    assert [t.name for t in filter_candidates("stock price weather", tools, config=white, core_tools=core)] == [
+        "stock_price"
+    ]
+    # only a core tool matches: the yellowlist keeps the top-1 rather than leave nothing
+    assert [t.name for t in filter_candidates("back", tools, config=config, core_tools=core)] == ["echo_text"]
+    assert len(filter_candidates("x", tools, config=RouterConfig(filtering=False), core_tools=core)) == len(tools)
+
+
+def test_compress_task_is_bounded():
+    summary = compress_task("convert the file " * 10, [f"context line {i} " * 20 for i in range(20)])
+    assert len(summary) <= 800
+    assert summary.startswith("convert the file")
+    assert len(compress_task("x" * 5000)) == 800
+
+
+def make_repo_path():
+    import tempfile
+    from pathlib import Path
+
+    return make_repo(Path(tempfile.mkdtemp()) / "repo")
+
+
+LABELLED = [
+    ("what's the weather like in Paris", "city_weather"),
+    ("stock_price for AAPL", "stock_price"),
+    ("repeat this text back to me", "echo_text"),
+    ("current time please", "show_time"),
+    ("how much is one share of tesla (ticker TSLA)", "stock_price"),
+    ("city_weather Oslo", "city_weather"),
+]
+
+
+def test_bm25_with_name_boost_is_at_least_as_good_as_keyword_ratio():
+    tools = list(build_registry(make_repo_path()))
+    keyword = evaluate_ranker(KeywordHitRatio(), LABELLED, tools)
+    bm25 = evaluate_ranker(BM25(), LABELLED, tools)
+    assert bm25.hit_at_1 >= keyword.hit_at_1
+    assert bm25.mrr >= keyword.mrr
+    assert bm25.hit_at_1 >= 4 / 6
