@@ -21,8 +21,7 @@ from tvcache import AlwaysSnapshot, Budget, Cache, CostAwareSnapshots, ToolCall
 from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory
 from tvcache.sandboxes._linux import overlay_supported
 from tvcache.sandboxes.layers import LayerStore
-
-from shell_project import ACTIONS, make_project
+from tvcache.workloads.shell import BUGS, make_project
 
 pytestmark = pytest.mark.skipif(
     not overlay_supported(), reason="overlay mounts need root on Linux >= 6.8 (the shell backend falls back to copies)"
@@ -291,14 +290,16 @@ def _install(binary: str, rootfs: Path) -> None:
 @pytest.mark.parametrize("policy", ["cost-aware", "always"])
 def test_cached_rollouts_on_a_real_c_project_equal_uncached_execution(tmp_path: Path, policy: str) -> None:
     """Inspect, build, patch (right or wrong), rebuild and test a C project: through the cache and fresh."""
-    project = make_project(tmp_path / "project")
+    project = make_project(tmp_path / "project", "mul")
     factory = ShellSandbox.factory(project, fallback=False, store_root=tmp_path / "layers")
     snapshots = AlwaysSnapshot() if policy == "always" else CostAwareSnapshots()
     cache = Cache(snapshot_policy=snapshots, budget=Budget(max_snapshots_per_task=8))
     rng = random.Random(policy)
     mismatches = []
     hits = calls = 0
-    fix, wrong_fix = ACTIONS[5], ACTIONS[6]
+    _, fix, wrong_fixes = BUGS["mul"]
+    actions = ["ls", "cat calc.c", "grep -n mul calc.c", "make 2>&1", "make check 2>&1", "make clean", "./test_calc"]
+    actions += ["rm -f test_calc.c", "git status 2>&1 | head -1", *wrong_fixes]
 
     async def rollout(history: list[str]) -> list[tuple[str, bool]]:
         async with cache.session("fix-calc", sandbox=factory) as session:
@@ -317,8 +318,8 @@ def test_cached_rollouts_on_a_real_c_project_equal_uncached_execution(tmp_path: 
             stem = ["cat calc.c", "make 2>&1"][: rng.randrange(0, 3)]
             group = []
             for _ in range(4):
-                middle = [rng.choice(ACTIONS) for _ in range(rng.randrange(0, 3))]
-                patch = rng.choice([fix, fix, wrong_fix])
+                middle = [rng.choice(actions) for _ in range(rng.randrange(0, 3))]
+                patch = rng.choice([fix, fix, *wrong_fixes])
                 group.append([*stem, *middle, patch, "make 2>&1", "make check 2>&1"])
             answers = await asyncio.gather(*(rollout(history) for history in group))
             for history, answer in zip(group, answers, strict=True):

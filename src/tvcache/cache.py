@@ -221,29 +221,29 @@ class Cache:
         Returns (True, future) to the one session that must execute and resolve the future, (False, future)
         to every other session missing on the same call in the same state, which waits for it.
         """
-        key = (graph.task_id, state.id, call.digest)
         with self._lock:
-            node = state.step(call)
-            if node is not None:  # finished while we were getting here
-                done: Future[Node | None] = Future()
-                done.set_result(node)
-                return False, done
-            future = self._inflight.get(key)
-            if future is not None:
-                return False, future
-            future = self._inflight[key] = Future()
-            return True, future
+            return self._join((graph.task_id, state.id, call.digest), state.step(call))
 
     def _resolve(
-        self,
-        graph: ToolCallGraph,
-        state: Node,
-        call: ToolCall,
-        node: Node | None,
-        error: BaseException | None,
+        self, graph: ToolCallGraph, state: Node, call: ToolCall, node: Node | None, error: BaseException | None
     ) -> None:
+        self._settle((graph.task_id, state.id, call.digest), node, error)
+
+    def _join(self, key: InflightKey, ready: Node | None) -> tuple[bool, Future[Node | None]]:
+        """The in-flight future for ``key`` (the caller holds the lock): already resolved when ``ready``."""
+        if ready is not None:  # finished while the caller was getting here
+            done: Future[Node | None] = Future()
+            done.set_result(ready)
+            return False, done
+        future = self._inflight.get(key)
+        if future is not None:
+            return False, future
+        future = self._inflight[key] = Future()
+        return True, future
+
+    def _settle(self, key: InflightKey, node: Node | None, error: BaseException | None) -> None:
         with self._lock:
-            future = self._inflight.pop((graph.task_id, state.id, call.digest), None)
+            future = self._inflight.pop(key, None)
         if future is None:
             return
         if error is not None:
@@ -292,27 +292,12 @@ class Cache:
     def _claim_test(self, graph: ToolCallGraph, node: Node, key: str) -> tuple[bool, Future[Node | None]]:
         """Like ``_claim`` for an end-of-rollout check: sessions finishing in the same state run it once.
         A waiter's future resolves when the owner has recorded the value (or failed); it then looks again."""
-        inflight = (graph.task_id, node.id, b"test\x00" + key.encode())
         with self._lock:
-            if node.tests is not None and key in node.tests:
-                done: Future[Node | None] = Future()
-                done.set_result(node)
-                return False, done
-            future = self._inflight.get(inflight)
-            if future is not None:
-                return False, future
-            future = self._inflight[inflight] = Future()
-            return True, future
+            ready = node if node.tests is not None and key in node.tests else None
+            return self._join(_test_key(graph, node, key), ready)
 
     def _resolve_test(self, graph: ToolCallGraph, node: Node, key: str, error: BaseException | None) -> None:
-        with self._lock:
-            future = self._inflight.pop((graph.task_id, node.id, b"test\x00" + key.encode()), None)
-        if future is None:
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(node)
+        self._settle(_test_key(graph, node, key), node, error)
 
     def _lookup_test(self, graph: ToolCallGraph, node: Node, key: str) -> tuple[bool, Any]:
         with self._lock:
@@ -596,6 +581,10 @@ class Cache:
     def __repr__(self) -> str:
         where = "memory" if self._journal is None else str(self.root)
         return f"<Cache {where} tasks={len(self._graphs)}>"
+
+
+def _test_key(graph: ToolCallGraph, node: Node, key: str) -> InflightKey:
+    return (graph.task_id, node.id, b"test\x00" + key.encode())
 
 
 def _check_task_id(task_id: object) -> None:

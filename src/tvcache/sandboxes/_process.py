@@ -5,17 +5,20 @@ Shared by the folder and shell sandboxes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import select
 import signal
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from ..errors import SandboxError
+from ..calls import ToolCall, ToolSpec
+from ..errors import InvalidToolCall, SandboxError, UnknownTool
 from ..protocol import Outcome
 
 FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -157,3 +160,39 @@ def render_shell(result: ShellResult, limit: int, timeout: float) -> Outcome:
             text += "\n"
         text += "\n".join(notes)
     return Outcome(output=text, is_error=is_error, deterministic=deterministic)
+
+
+def validated(call: ToolCall, tools: Mapping[str, ToolSpec]) -> tuple[ToolSpec, dict[str, Any]]:
+    """The spec of a call's tool and its arguments, or UnknownTool / InvalidToolCall."""
+    spec = tools.get(call.name)
+    if spec is None:
+        raise UnknownTool(call.name, list(tools))
+    spec.validate(call)
+    return spec, call.arguments
+
+
+def command_timeout(arguments: Mapping[str, Any], limit: float) -> float:
+    """A call's own ``timeout`` argument may lower the sandbox's limit, never raise it."""
+    if "timeout" not in arguments:
+        return limit
+    if not arguments["timeout"] > 0:
+        raise InvalidToolCall(f"tool 'sh': timeout must be > 0 seconds, got {arguments['timeout']!r}")
+    return min(float(arguments["timeout"]), limit)
+
+
+async def run_cancellable(argv: list[str], *, live_groups: set[int], **options: Any) -> ShellResult:
+    """``run_command`` in a worker thread. On cancellation the command is killed (a thread cannot be), and the
+    caller waits until the thread is done, so nothing still runs when the next call or ``stop()`` comes."""
+    abandon = threading.Event()
+    work = asyncio.ensure_future(
+        asyncio.to_thread(run_command, argv, live_groups=live_groups, abandon=abandon, **options)
+    )
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        abandon.set()
+        for group in list(live_groups):
+            kill_group(group)
+        with contextlib.suppress(Exception):
+            await work
+        raise

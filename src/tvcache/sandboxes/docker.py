@@ -22,8 +22,9 @@ from pathlib import Path
 from types import MappingProxyType
 
 from ..calls import ToolCall, ToolSpec
-from ..errors import InvalidToolCall, SandboxError, UnknownTool
+from ..errors import SandboxError
 from ..protocol import Outcome, Snapshot
+from ._process import command_timeout, validated
 from .folder import SH_TOOL
 
 __all__ = ["DockerCommands", "DockerSandbox", "DockerSandboxFactory", "docker_available"]
@@ -183,16 +184,8 @@ class DockerSandbox:
         )
 
     async def execute(self, call: ToolCall) -> Outcome:
-        spec = self._factory.tools.get(call.name)
-        if spec is None:
-            raise UnknownTool(call.name, list(self._factory.tools))
-        spec.validate(call)
-        arguments = call.arguments
-        timeout = self._factory.timeout
-        if "timeout" in arguments:
-            if not arguments["timeout"] > 0:
-                raise InvalidToolCall(f"tool 'sh': timeout must be > 0 seconds, got {arguments['timeout']!r}")
-            timeout = min(float(arguments["timeout"]), timeout)
+        _, arguments = validated(call, self._factory.tools)
+        timeout = command_timeout(arguments, self._factory.timeout)
         async with self._lock:
             if self._stopped:
                 raise SandboxError("this docker sandbox was stopped; start or fork a new one")

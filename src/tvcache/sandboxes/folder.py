@@ -29,7 +29,6 @@ import shutil
 import stat
 import sys
 import tempfile
-import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -38,9 +37,18 @@ from types import MappingProxyType
 from typing import Any
 
 from ..calls import ToolCall, ToolSpec
-from ..errors import InvalidToolCall, SandboxError, UnknownTool
+from ..errors import SandboxError
 from ..protocol import Outcome, Snapshot
-from ._process import FIXED_PATH, fixed_environment, kill_group, render_shell, run_command
+from ._process import (
+    FIXED_PATH,
+    command_timeout,
+    fixed_environment,
+    kill_group,
+    render_shell,
+    run_cancellable,
+    validated,
+)
+from .layers import tree_bytes
 
 __all__ = ["SH_TOOL", "FolderSandbox", "FolderSandboxFactory", "FolderTool", "digest_folder"]
 
@@ -141,16 +149,6 @@ def _digest_entry(hasher: Any, path: bytes, relative: bytes, info: os.stat_resul
                 )
     except OSError as error:  # unreadable (chmod 000): its metadata above still tells changes apart
         _frame(hasher, f"<unreadable: {error.strerror}>".encode())
-
-
-def _folder_bytes(folder: Path) -> int:
-    total = 0
-    for directory, _, files in os.walk(folder):
-        for name in files:
-            info = os.lstat(os.path.join(directory, name))
-            if stat.S_ISREG(info.st_mode):
-                total += info.st_size
-    return total
 
 
 def _remove_tree(path: Path) -> None:
@@ -326,16 +324,10 @@ class FolderSandbox:
         return self._folder
 
     async def execute(self, call: ToolCall) -> Outcome:
-        spec = self._factory.tools.get(call.name)
-        if spec is None:
-            raise UnknownTool(call.name, list(self._factory.tools))
-        spec.validate(call)
-        arguments = call.arguments
+        spec, arguments = validated(call, self._factory.tools)
         timeout = self._factory.timeout
-        if call.name == SH_TOOL.name and "timeout" in arguments:
-            if not arguments["timeout"] > 0:
-                raise InvalidToolCall(f"tool 'sh': timeout must be > 0 seconds, got {arguments['timeout']!r}")
-            timeout = min(float(arguments["timeout"]), timeout)
+        if call.name == SH_TOOL.name:
+            timeout = command_timeout(arguments, timeout)
         async with self._lock:
             folder = self._require_open()
             prove = self._factory.prove_read_only and not spec.read_only
@@ -358,30 +350,15 @@ class FolderSandbox:
 
     async def _run_sh(self, folder: Path, command: str, timeout: float) -> Outcome:
         limit = self._factory.max_output_bytes
-        abandon = threading.Event()
-        work = asyncio.ensure_future(
-            asyncio.to_thread(
-                run_command,
+        try:
+            result = await run_cancellable(
                 [self._factory.bash, "-c", command],
+                live_groups=self._live_groups,
                 cwd=folder,
                 env=fixed_environment(str(folder)),
                 timeout=timeout,
                 limit=limit,
-                live_groups=self._live_groups,
-                abandon=abandon,
             )
-        )
-        try:
-            result = await asyncio.shield(work)
-        except asyncio.CancelledError:
-            # A worker thread cannot be cancelled: kill the command instead, and keep the lock until the thread
-            # is done so that nothing still runs in the folder when the next call or stop() comes.
-            abandon.set()
-            for group in list(self._live_groups):
-                kill_group(group)
-            with contextlib.suppress(Exception):
-                await work
-            raise
         except OSError as error:
             raise SandboxError(f"cannot run bash in {folder}: {error}; was the folder removed?") from error
         return render_shell(result, limit, timeout)
@@ -422,7 +399,7 @@ class FolderSandbox:
                 _remove_tree(partial)
                 _copy_folder(folder, partial)
                 os.replace(partial, dest)  # a crash never leaves a half-copied tree under the final name
-                return _folder_bytes(dest)
+                return tree_bytes(dest)
 
             size = await asyncio.to_thread(copy)
         return Snapshot(kind=KIND, path=str(dest), bytes=size)

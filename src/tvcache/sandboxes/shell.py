@@ -20,7 +20,6 @@ Needs root (or overlay mounts in general); otherwise ``ShellSandbox.factory`` fa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import hashlib
 import json
@@ -29,17 +28,16 @@ import shutil
 import socket
 import struct
 import subprocess
-import threading
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
 from ..calls import ToolCall, ToolSpec
-from ..errors import InvalidToolCall, SandboxError, UnknownTool
+from ..errors import SandboxError
 from ..protocol import Outcome, Snapshot
 from . import _linux
-from ._process import FIXED_PATH, fixed_environment, kill_group, render_shell, run_command
+from ._process import FIXED_PATH, command_timeout, fixed_environment, render_shell, run_cancellable, validated
 from .folder import SH_TOOL, FolderSandbox, FolderSandboxFactory
 from .layers import Layer, LayerStore, upper_digest
 
@@ -217,16 +215,8 @@ class ShellSandbox:
     # ---------------------------------------------------------- execute
 
     async def execute(self, call: ToolCall) -> Outcome:
-        spec = self._factory.tools.get(call.name)
-        if spec is None:
-            raise UnknownTool(call.name, list(self._factory.tools))
-        spec.validate(call)
-        arguments = call.arguments
-        timeout = self._factory.timeout
-        if "timeout" in arguments:
-            if not arguments["timeout"] > 0:
-                raise InvalidToolCall(f"tool 'sh': timeout must be > 0 seconds, got {arguments['timeout']!r}")
-            timeout = min(float(arguments["timeout"]), timeout)
+        _, arguments = validated(call, self._factory.tools)
+        timeout = command_timeout(arguments, self._factory.timeout)
         async with self._lock:
             mount_fd = self._require_open()
             prove = self._factory.prove_read_only
@@ -243,33 +233,19 @@ class ShellSandbox:
 
     async def _run(self, mount_fd: int, command: str, timeout: float) -> Outcome:
         factory = self._factory
-        abandon = threading.Event()
-        prelude = _confine(mount_fd, factory.base, rootfs=factory.rootfs)
         # unshare(1) with no namespace flags only forks: its child, bash, is PID 1 of the new PID namespace, so
         # when bash ends the kernel kills every process the command left behind.
         argv = ["/usr/bin/unshare", "--fork", "--kill-child", factory.bash, "-c", command]
-        work = asyncio.ensure_future(
-            asyncio.to_thread(
-                run_command,
+        try:
+            result = await run_cancellable(
                 argv,
+                live_groups=self._live_groups,
                 cwd=None,
                 env=factory.environment,
                 timeout=timeout,
                 limit=factory.max_output_bytes,
-                live_groups=self._live_groups,
-                abandon=abandon,
-                preexec=prelude,
+                preexec=_confine(mount_fd, factory.base, rootfs=factory.rootfs),
             )
-        )
-        try:
-            result = await asyncio.shield(work)
-        except asyncio.CancelledError:
-            abandon.set()
-            for group in list(self._live_groups):
-                kill_group(group)
-            with contextlib.suppress(Exception):
-                await work
-            raise
         except (OSError, subprocess.SubprocessError) as error:
             raise SandboxError(f"cannot run a command in the shell sandbox: {error}") from error
         return render_shell(result, factory.max_output_bytes, timeout)
