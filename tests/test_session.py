@@ -367,3 +367,26 @@ def test_concurrent_identical_checks_run_once() -> None:
     assert runs == 1
     assert sorted(r.hit for r in results) == [False, True, True, True, True]
     assert {r.value for r in results} == {1}
+
+
+def test_a_cancelled_owner_does_not_cancel_the_sessions_waiting_on_it() -> None:
+    cache, factory = Cache(), KVFactory()
+    slow = ("slow", {"key": "a", "seconds": 0.2})
+
+    async def main() -> str:
+        owner = asyncio.create_task(run(cache, factory, [slow]))
+        for _ in range(1000):  # until the owner has claimed the call (loop turns, no wall-clock waiting)
+            if cache._inflight:
+                break
+            await asyncio.sleep(0)
+        waiter = asyncio.create_task(run(cache, factory, [slow]))
+        for _ in range(3):  # the waiter runs up to its wait on the owner's future
+            await asyncio.sleep(0)
+        owner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await owner
+        (result,) = await waiter
+        return result.output
+
+    assert asyncio.run(main()) == "a=1"
+    assert factory.live == 0

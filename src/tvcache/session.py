@@ -135,7 +135,7 @@ class Session:
             value = await _call_test(fn, await self._ensure_sandbox(state))
             self.cache._record_test(self.graph, state, key, value)
         except BaseException as error:
-            self.cache._resolve_test(self.graph, state, key, error)
+            self.cache._resolve_test(self.graph, state, key, _for_waiters(error))
             raise
         self.cache._resolve_test(self.graph, state, key, None)
         return TestResult(key=key, value=value, hit=False, seconds=time.perf_counter() - started)
@@ -194,7 +194,7 @@ class Session:
             sandbox = await self._ensure_sandbox(state)
             outcome, spent = await self._execute(sandbox, call)
         except BaseException as error:
-            self.cache._resolve(self.graph, state, call, None, error)
+            self.cache._resolve(self.graph, state, call, None, _for_waiters(error))
             raise
         read_only = spec.read_only or outcome.changed_state is False
         if not outcome.deterministic:
@@ -424,6 +424,14 @@ class Session:
             fresh_output=outcome.output,
         )
         self.cache._report_audit(finding)
+
+
+def _for_waiters(error: BaseException) -> Exception:
+    """What sessions waiting on a failed execution see: an ordinary error they retry after — never the owner's
+    own cancellation, which would cancel them too."""
+    if isinstance(error, Exception):
+        return error
+    return SandboxError(f"the session executing this call stopped ({type(error).__name__}); retrying")
 
 
 async def _call_test(fn: TestFunction, sandbox: Sandbox) -> Any:
