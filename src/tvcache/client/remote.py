@@ -89,6 +89,8 @@ class RemoteCache(Cache):
     point all clients on a machine at one shared directory so they can fork each other's snapshots).
     ``claim_ttl``: how long the server waits for this client's heartbeat before letting another client take
     over a call it is executing. ``transport``: an httpx transport (tests).
+    ``epoch``: the training epoch (or step) this client's calls belong to, for the server's per-epoch hit rates
+    (``/v1/activity``, the dashboard); set ``cache.epoch = n`` as the run advances. ``None`` leaves calls untagged.
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class RemoteCache(Cache):
         claim_ttl: float = 30.0,
         wait_timeout: float = 10.0,
         transport: httpx.BaseTransport | None = None,
+        epoch: int | None = None,
     ) -> None:
         super().__init__(
             None, tools=tools, snapshot_policy=snapshot_policy, audit_rate=audit_rate, audit_seed=audit_seed
@@ -114,13 +117,15 @@ class RemoteCache(Cache):
         self.url = url.rstrip("/")
         self.claim_ttl = claim_ttl
         self.wait_timeout = wait_timeout
+        self.epoch = epoch
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = timeout
         self._http = httpx.Client(base_url=self.url, headers=self._headers, timeout=timeout, transport=transport)
         self._roots: dict[int, ToolCallGraph] = {}
         self._owned: dict[InflightKey, tuple[str, Future[None]]] = {}
-        self._touches: dict[str, list[int]] = {}
+        self._touches: dict[tuple[str, int | None], list[int]] = {}
         self._flush_scheduled = False
+        self._flushing: Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._aclient: httpx.AsyncClient | None = None
@@ -227,29 +232,34 @@ class RemoteCache(Cache):
         if node is not None:
             self._touch(graph, node)
             return node
-        data = self._request(
-            "POST", "/v1/lookup", {"task_id": graph.task_id, "state": state.id, "call": _call_json(call)}
-        )
+        body = {"task_id": graph.task_id, "state": state.id, "call": _call_json(call)}
+        data = self._request("POST", "/v1/lookup", self._tagged(body))
         return None if data["node"] is None else self._adopt(graph, data["node"])
+
+    def _tagged(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` with this client's epoch, if it has one (servers before epochs reject the field)."""
+        return body if self.epoch is None else {**body, "epoch": self.epoch}
 
     def _touch(self, graph: ToolCallGraph, node: Node) -> None:
         with self._lock:
             graph.touch(node)
-            self._touches.setdefault(graph.task_id, []).append(node.id)
+            self._touches.setdefault((graph.task_id, self.epoch), []).append(node.id)
             if self._flush_scheduled:
                 return
             self._flush_scheduled = True
-        self._submit(self._flush_touches())
+        self._flushing = self._submit(self._flush_touches())
 
     async def _flush_touches(self) -> None:
         with self._lock:
             touches, self._touches = self._touches, {}
             self._flush_scheduled = False
-        for task_id, node_ids in touches.items():
+        for (task_id, epoch), node_ids in touches.items():
             for start in range(0, len(node_ids), 10_000):
-                batch = node_ids[start : start + 10_000]
+                body: dict[str, Any] = {"task_id": task_id, "node_ids": node_ids[start : start + 10_000]}
+                if epoch is not None:
+                    body["epoch"] = epoch
                 try:
-                    await self._arequest("/v1/touch", {"task_id": task_id, "node_ids": batch})
+                    await self._arequest("/v1/touch", body)
                 except TVCacheError:
                     pass  # hit counts only steer eviction; losing some never affects results
 
@@ -314,7 +324,7 @@ class RemoteCache(Cache):
             "seconds": seconds,
             "read_only": read_only,
         }
-        data = self._request("POST", "/v1/insert", body)
+        data = self._request("POST", "/v1/insert", self._tagged(body))
         return self._adopt(graph, data["node"])
 
     def _lookup_test(self, graph: ToolCallGraph, node: Node, key: str) -> tuple[bool, Any]:
@@ -380,6 +390,8 @@ class RemoteCache(Cache):
             return
         loop, thread = self._loop, self._loop_thread
         if loop is not None and thread is not None:
+            if self._flushing is not None:  # a flush may have taken its batch and still be sending it
+                self._flushing.result(timeout=self._timeout)
             if self._flush_scheduled or self._touches:
                 self._submit(self._flush_touches()).result(timeout=self._timeout)
             if self._aclient is not None:

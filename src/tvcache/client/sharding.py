@@ -42,6 +42,16 @@ class ShardedCache:
             name: RemoteCache(name, token=token, tools=specs, **options) for name in names
         }
 
+    @property
+    def epoch(self) -> int | None:
+        """The epoch every shard's client tags its calls with (see ``RemoteCache``)."""
+        return next(iter(self.shards.values())).epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int | None) -> None:
+        for cache in self.shards.values():
+            cache.epoch = epoch
+
     def shard(self, task_id: str) -> RemoteCache:
         return self.shards[rendezvous(task_id, list(self.shards))]
 

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .. import __version__
 from ..errors import InvalidInput, TVCacheError
 from . import models as m
+from .dashboard import OPEN_PATHS, dashboard_routes
 from .metrics import Histogram, render
 from .service import CacheService, NotFound
 from .wire import MarkStatelessIn, PrefixMatchIn, PutIn, StoreTestResultIn, UnrefIn, WireCompat
@@ -204,6 +205,27 @@ class Server:
 
         return await _handle(run)()
 
+    async def get_activity(self, request: Request) -> Response:
+        return _model(self.service.activity_report())
+
+    async def get_outline(self, request: Request) -> Response:
+        async def run() -> Response:
+            limit = request.query_params.get("limit", "2000")
+            if not limit.isdigit() or not 1 <= int(limit) <= 100_000:
+                raise HTTPError(422, "validation", "limit must be an integer from 1 to 100000")
+            return _model(self.service.outline(_query(request, "task_id"), int(limit)))
+
+        return await _handle(run)()
+
+    async def get_node(self, request: Request) -> Response:
+        async def run() -> Response:
+            node_id = _query(request, "node_id")
+            if not node_id.isdigit():
+                raise HTTPError(422, "validation", "node_id must be a non-negative integer")
+            return _model(self.service.node_detail(_query(request, "task_id"), int(node_id)))
+
+        return await _handle(run)()
+
     async def get_nondeterministic(self, request: Request) -> Response:
         return _model(m.NondeterministicOut(tools=self.service.cache.nondeterministic_tools))
 
@@ -278,6 +300,9 @@ class Server:
             Route("/v1/tasks", self.get_tasks, methods=["GET"]),
             Route("/v1/graph", self.get_graph, methods=["GET"]),
             Route("/v1/path", self.get_path, methods=["GET"]),
+            Route("/v1/activity", self.get_activity, methods=["GET"]),
+            Route("/v1/graph/outline", self.get_outline, methods=["GET"]),
+            Route("/v1/node", self.get_node, methods=["GET"]),
             Route("/v1/tools/nondeterministic", self.get_nondeterministic, methods=["GET"]),
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
@@ -291,12 +316,16 @@ class Server:
             Route("/get_test_result", self.wire_get_test_result, methods=["GET"]),
             Route("/get_all_envs", self.wire_get_all_envs, methods=["GET"]),
             Route("/visualize", self.wire_visualize, methods=["GET"]),
+            *dashboard_routes(),
         ]
         return routes
 
     def openapi_document(self) -> dict[str, Any]:
         native = self.native_routes()
-        models: list[type[BaseModel]] = [m.ErrorOut, m.TasksOut, m.GraphOut, m.PathOut, m.NondeterministicOut]
+        models: list[type[BaseModel]] = [
+            *(m.ErrorOut, m.TasksOut, m.GraphOut, m.PathOut, m.NondeterministicOut),
+            *(m.ActivityOut, m.OutlineOut, m.NodeOut),
+        ]
         for route, _ in native:
             assert route.request is not None and route.response is not None
             models += [route.request, route.response]
@@ -354,6 +383,15 @@ class Server:
             "get": operation("The nodes from the root to a node", ref(m.PathOut),
                              parameters=[query("task_id"), query("node_id")])
         }  # fmt: skip
+        paths["/v1/activity"] = {"get": operation("Hits, misses and time saved by task and epoch", ref(m.ActivityOut))}
+        paths["/v1/graph/outline"] = {
+            "get": operation("A task's graph without results, for drawing", ref(m.OutlineOut),
+                             parameters=[query("task_id"), query("limit", required=False)])
+        }  # fmt: skip
+        paths["/v1/node"] = {
+            "get": operation("One node with its call and result", ref(m.NodeOut),
+                             parameters=[query("task_id"), query("node_id")])
+        }  # fmt: skip
         paths["/v1/tools/nondeterministic"]["get"] = operation(
             "Tools never served from cache", ref(m.NondeterministicOut)
         )
@@ -400,7 +438,9 @@ def _query(request: Request, name: str) -> str:
 
 
 class Guard:
-    """Bearer-token auth and URL limits in front of every route (``/healthz`` is open), and status counts."""
+    """Bearer-token auth and URL limits in front of every route, and status counts. Open without a token:
+    ``/healthz`` and the dashboard's static page and assets (they hold no data; the page sends the token with
+    each of its ``/v1`` requests, see ``dashboard``)."""
 
     def __init__(self, app: ASGIApp, server: Server) -> None:
         self.app = app
@@ -420,7 +460,7 @@ class Guard:
                 statuses[status] = statuses.get(status, 0) + 1
             await send(message)
 
-        if self.expected is not None and scope["path"] != "/healthz":
+        if self.expected is not None and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = _error(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer ...)")

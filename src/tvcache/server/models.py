@@ -18,6 +18,10 @@ NodeId = Annotated[int, Field(ge=0, le=2**53, description="a node id within the 
 Seconds = Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]
 Ttl = Annotated[float, Field(gt=0.0, le=86_400.0, allow_inf_nan=False)]
 Key = Annotated[str, Field(min_length=1, max_length=1024)]
+Epoch = Annotated[
+    int | None,
+    Field(ge=0, le=2**31, description="the client's training epoch (or step), tallied for the dashboard; optional"),
+]
 
 
 class Request(BaseModel):
@@ -46,6 +50,7 @@ class LookupIn(Request):
     read_only_tools: list[str] = Field(default_factory=list, max_length=10_000)
     state: NodeId | None = None
     call: CallIn | None = None
+    epoch: Epoch = None
 
 
 class ClaimIn(Request):
@@ -82,6 +87,7 @@ class InsertIn(Request):
     is_error: bool = False
     seconds: Seconds
     read_only: bool = False
+    epoch: Epoch = None
 
 
 class AttachIn(Request):
@@ -122,6 +128,7 @@ class NondeterministicIn(Request):
 class TouchIn(Request):
     task_id: TaskId
     node_ids: list[NodeId] = Field(max_length=10_000)
+    epoch: Epoch = None
 
 
 # --------------------------------------------------------------------------------------------- responses
@@ -224,3 +231,49 @@ class NondeterministicOut(Response):
 
 class ErrorOut(Response):
     error: dict[str, Any]
+
+
+class EpochOut(Response):
+    """What the cache did for one task in one epoch (``epoch`` null: untagged requests); see ``activity``."""
+
+    epoch: int | None
+    hits: int
+    misses: int
+    hit_rate: float | None
+    seconds_saved: float
+    seconds_executed: float
+
+
+class TaskActivityOut(Response):
+    task_id: str
+    nodes: int
+    snapshots: int
+    total: EpochOut
+    epochs: list[EpochOut]
+
+
+class ActivityOut(Response):
+    since: float = Field(description="Unix time the tallies started (they are kept in memory)")
+    total: EpochOut
+    tasks: list[TaskActivityOut]
+
+
+class OutlineNodeOut(Response):
+    """A node without its result, for drawing: ``label`` is a short preview of the call's arguments."""
+
+    id: int
+    parent: int | None
+    name: str | None
+    label: str
+    read_only: bool
+    is_error: bool
+    seconds: float
+    hits: int
+    snapshot: bool
+
+
+class OutlineOut(Response):
+    task_id: str
+    total: int = Field(description="nodes in the graph (the root included)")
+    truncated: bool
+    nodes: list[OutlineNodeOut]

@@ -16,6 +16,7 @@ simply claim again.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 import warnings
@@ -31,6 +32,7 @@ from ..graph import Lease, Node, ToolCallGraph
 from ..policies import Budget
 from ..protocol import Outcome, Snapshot
 from . import models as m
+from .activity import Activity, Tally
 
 __all__ = ["CacheService", "NotFound"]
 
@@ -113,6 +115,7 @@ class CacheService:
         self._claims: dict[ClaimKey, Claim] = {}
         self._claims_by_id: dict[str, Claim] = {}
         self.leases: dict[str, HeldLease] = {}
+        self.activity = Activity()
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "lookups",
@@ -175,6 +178,8 @@ class CacheService:
                     graph.touch(match.node)
             if match.hit:
                 self.counters["lookup_hits"] += 1
+            if match.hit and match.node is not None:
+                self.activity.hit(body.task_id, body.epoch, seconds_saved=match.node.seconds)
             return m.LookupOut(
                 hit=match.hit,
                 node=None if match.node is None else node_out(match.node),
@@ -194,6 +199,7 @@ class CacheService:
         node = self.cache._lookup(graph, state, call)
         if node is not None:
             self.counters["lookup_hits"] += 1
+            self.activity.hit(body.task_id, body.epoch, seconds_saved=node.seconds)
         return m.LookupOut(
             hit=node is not None,
             node=None if node is None else node_out(node),
@@ -210,6 +216,7 @@ class CacheService:
                     node = graph.get(node_id)
                     if node is not None:
                         graph.touch(node)
+                        self.activity.hit(body.task_id, body.epoch, seconds_saved=node.seconds)
         return m.OkOut(ok=True)
 
     def insert(self, body: m.InsertIn) -> m.InsertOut:
@@ -220,6 +227,7 @@ class CacheService:
         outcome = Outcome(output=body.output, is_error=body.is_error)
         node = self.cache._record(graph, parent, call, outcome, body.seconds, body.read_only)
         self.counters["inserts" if existing is None else "inserts_existing"] += 1
+        self.activity.miss(graph.task_id, body.epoch, seconds_executed=body.seconds)
         self._finish_claim((graph.task_id, parent.id, call.digest), node_id=node.id)
         return m.InsertOut(created=existing is None, node=node_out(node))
 
@@ -421,6 +429,7 @@ class CacheService:
 
     def stats(self) -> dict[str, Any]:
         stats = self.cache.stats()
+        total = self.activity.total()
         return {
             "tasks": stats.tasks,
             "nodes": stats.nodes,
@@ -431,6 +440,11 @@ class CacheService:
             "nondeterministic_tools": len(self.cache.nondeterministic_tools),
             "lookup_misses": self.counters["lookups"] - self.counters["lookup_hits"],
             **self.counters,
+            # Calls answered from the cache (replica hits included) and calls executed: see ``activity``.
+            "hits": total.hits,
+            "misses": total.misses,
+            "seconds_saved": total.seconds_saved,
+            "seconds_executed": total.seconds_executed,
         }
 
     def tasks(self) -> m.TasksOut:
@@ -450,9 +464,81 @@ class CacheService:
         nodes = sorted(graph.nodes(), key=lambda node: node.id)
         return m.GraphOut(task_id=task_id, nodes=[node_out(node, hits=True) for node in nodes])
 
+    def activity_report(self) -> m.ActivityOut:
+        """Hits, misses and time by task and epoch (tasks with a graph or with tallied traffic)."""
+        task_ids = list(dict.fromkeys([*self.cache.tasks(), *self.activity.tasks()]))
+        tasks = []
+        for task_id in task_ids:
+            graph = self.existing_graph(task_id)
+            tasks.append(
+                m.TaskActivityOut(
+                    task_id=task_id,
+                    nodes=0 if graph is None else len(graph) - 1,
+                    snapshots=0 if graph is None else len(graph.snapshot_nodes),
+                    total=_epoch_out(None, self.activity.total(task_id)),
+                    epochs=[_epoch_out(epoch, tally) for epoch, tally in self.activity.epochs(task_id)],
+                )
+            )
+        return m.ActivityOut(since=self.activity.started, total=_epoch_out(None, self.activity.total()), tasks=tasks)
+
+    def outline(self, task_id: str, limit: int) -> m.OutlineOut:
+        """The first ``limit`` nodes by id, without results. Parents are inserted before their children, so
+        any prefix by id is a tree hanging from the root."""
+        graph = self.existing_graph(task_id)
+        if graph is None:
+            raise NotFound(f"no task {task_id!r}")
+        nodes = sorted(graph.nodes(), key=lambda node: node.id)[:limit]
+        return m.OutlineOut(
+            task_id=task_id,
+            total=len(graph),
+            truncated=len(graph) > limit,
+            nodes=[
+                m.OutlineNodeOut(
+                    id=node.id,
+                    parent=None if node.parent is None else node.parent.id,
+                    name=None if node.call is None else node.call.name,
+                    label=_label(node),
+                    read_only=node.read_only,
+                    is_error=node.is_error,
+                    seconds=node.seconds,
+                    hits=node.hits,
+                    snapshot=node.snapshot is not None,
+                )
+                for node in nodes
+            ],
+        )
+
+    def node_detail(self, task_id: str, node_id: int) -> m.NodeOut:
+        return node_out(self.node(task_id, node_id), hits=True)
+
     def close(self) -> None:
         for lease_id in list(self.leases):
             self.release_lease(lease_id)
         for claim in list(self._claims.values()):
             self._end_claim(claim, "expired")
         self.cache.close()
+
+
+def _epoch_out(epoch: int | None, tally: Tally) -> m.EpochOut:
+    return m.EpochOut(
+        epoch=epoch,
+        hits=tally.hits,
+        misses=tally.misses,
+        hit_rate=tally.hit_rate,
+        seconds_saved=tally.seconds_saved,
+        seconds_executed=tally.seconds_executed,
+    )
+
+
+def _label(node: Node, limit: int = 60) -> str:
+    """A one-line preview of a call's arguments: a lone string argument as is, else ``key=value`` pairs."""
+    if node.call is None:
+        return "root"
+    arguments = node.call.arguments
+    values = list(arguments.values())
+    if len(values) == 1 and isinstance(values[0], str):
+        text = values[0]
+    else:
+        text = " ".join(f"{key}={json.dumps(value, ensure_ascii=False)}" for key, value in arguments.items())
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
