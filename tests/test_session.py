@@ -390,3 +390,19 @@ def test_a_cancelled_owner_does_not_cancel_the_sessions_waiting_on_it() -> None:
 
     assert asyncio.run(main()) == "a=1"
     assert factory.live == 0
+
+
+def test_a_check_that_changes_the_sandbox_does_not_leak_into_later_calls() -> None:
+    cache, factory = Cache(snapshot_policy=NeverSnapshot()), KVFactory()
+
+    async def vandal(sandbox) -> str:
+        sandbox.data["a"] = 999  # a grader that writes into the sandbox
+        return "graded"
+
+    async def main() -> list:
+        async with cache.session("t", sandbox=factory) as session:
+            await session.call("set", {"key": "a", "value": 1})
+            await session.test(vandal, key="grade")
+            return [(await session.call("get", {"key": "a"})).output]
+
+    assert asyncio.run(main()) == ["1"]  # what uncached execution of set + get returns

@@ -1,4 +1,4 @@
-"""The ``tvcache`` command: ``demo``, ``replay``, ``serve``, ``bench NAME`` and ``inspect DIR``."""
+"""The ``tvcache`` command: ``demo``, ``replay``, ``serve``, ``mcp-proxy``, ``bench NAME`` and ``inspect DIR``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,16 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
         rates = [int(rate) for rate in args.rates.split(",")]
         return server.run(rates=rates, duration=args.duration, keys=args.keys, shards=args.shards, json_path=args.json)
+    if args.name == "ray":
+        try:
+            from .integrations.ray import bench as ray_bench
+        except ImportError as error:
+            print(f"tvcache bench ray: {error}", file=sys.stderr)
+            return 2
+        rates = [int(rate) for rate in args.rates.split(",")]
+        return ray_bench.run(
+            rates=rates, duration=args.duration, keys=args.keys, shards=args.shards, json_path=args.json
+        )
     if args.name == "fork":
         from .bench import fork
 
@@ -89,6 +99,32 @@ def _replay(args: argparse.Namespace) -> int:
     from . import replay
 
     return replay.main(args.traces, json_path=args.json)
+
+
+def _mcp_proxy(args: argparse.Namespace) -> int:
+    command = list(args.upstream)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print("tvcache mcp-proxy: give the upstream MCP server's command after '--'", file=sys.stderr)
+        return 2
+    try:
+        from .integrations import mcp_proxy
+    except ImportError as error:
+        print(f"tvcache mcp-proxy: {error}", file=sys.stderr)
+        return 2
+    return mcp_proxy.main(command, task_id=args.task, cache=args.cache, token=args.token, uncached=args.uncached)
+
+
+def _ray(args: argparse.Namespace) -> int:
+    try:
+        from .integrations.ray import command
+    except ImportError as error:
+        print(f"tvcache ray: {error}", file=sys.stderr)
+        return 2
+    return command.run(
+        args.action, shards=args.shards, data_dir=args.data_dir, namespace=args.namespace, address=args.address
+    )
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -158,9 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name",
-        choices=["lookup", "server", "fork"],
+        choices=["lookup", "server", "fork", "ray"],
         help="lookup: prefix-match latency and bytes per node; server: open-loop HTTP load on `tvcache serve`; "
-        "fork: overlay fork and snapshot latency next to copying the tree (root)",
+        "fork: overlay fork and snapshot latency next to copying the tree (root); ray: Ray shard actors vs HTTP "
+        "shards under the same lookup load (--rates, --duration, --keys, --shards)",
     )
     bench.add_argument("--nodes", type=int, default=100_000, help="graph size for lookup (default 100000)")
     bench.add_argument("--repeats", type=int, default=2000, help="lookups timed per depth (default 2000)")
@@ -184,9 +221,38 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON to PATH")
     replay.set_defaults(handler=_replay)
 
+    proxy = commands.add_parser(
+        "mcp-proxy",
+        help="serve an MCP server's tools through the cache (needs the 'mcp' extra)",
+        description="An MCP server on stdio that forwards to the upstream MCP server started by the command after "
+        "'--' and answers repeated calls from a tvcache graph: one connection is one rollout of --task. Tools "
+        "annotated readOnlyHint are read-only, all others change state. Statistics: resource tvcache://stats.",
+    )
+    proxy.add_argument("--task", default=None, help="task id (default: $TVCACHE_TASK, else a digest of the command)")
+    proxy.add_argument("--cache", default=None, help="a directory (embedded, durable), a tvcache serve URL, or "
+                       "comma-separated URLs (sharded); default: in memory")  # fmt: skip
+    proxy.add_argument("--token", default=None, help="bearer token of the server (default: $TVCACHE_TOKEN)")
+    proxy.add_argument("--uncached", action="append", default=[], metavar="TOOL", help="never serve TOOL from "
+                       "cache (non-deterministic); repeatable")  # fmt: skip
+    proxy.add_argument("upstream", nargs=argparse.REMAINDER, help="-- then the upstream server's command")
+    proxy.set_defaults(handler=_mcp_proxy)
+
     inspect = commands.add_parser("inspect", help="summarise a durable cache directory")
     inspect.add_argument("path", help="a directory created by Cache(path=...)")
     inspect.set_defaults(handler=_inspect)
+
+    ray = commands.add_parser(
+        "ray",
+        help="manage graph shards as Ray actors (needs the 'ray' extra)",
+        description="Shard actors in a running Ray cluster (see docs/ray.md): up starts them detached and "
+        "restartable, status shows where each runs and its counters, down stops them (journals stay).",
+    )
+    ray.add_argument("action", choices=["up", "status", "down"])
+    ray.add_argument("--shards", type=int, default=1, help="up: number of shard actors (default 1)")
+    ray.add_argument("--data-dir", default=None, help="up: journal directory, on a filesystem every node mounts")
+    ray.add_argument("--namespace", default="tvcache", help="Ray namespace of the shards (default tvcache)")
+    ray.add_argument("--address", default=None, help="Ray cluster address (default: auto)")
+    ray.set_defaults(handler=_ray)
     return parser
 
 

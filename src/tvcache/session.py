@@ -111,9 +111,12 @@ class Session:
             self.cache._count("coalesced")
             return self._hit(node, started, coalesced=True)
 
-    async def test(self, fn: TestFunction, *, key: str | None = None) -> TestResult:
+    async def test(self, fn: TestFunction, *, key: str | None = None, mutates: bool = True) -> TestResult:
         """Run an end-of-rollout check ``fn(sandbox)`` in the current state, cached per state and ``key``
-        (default: the function's qualified name). The value must be JSON-representable."""
+        (default: the function's qualified name). The value must be JSON-representable.
+
+        A check may change the sandbox (build, write reports), so by default the live sandbox is not trusted
+        afterwards: a later miss re-creates the state instead. Pass ``mutates=False`` for a read-only check."""
         if self.closed:
             raise SessionClosed(f"session of task {self.task_id!r} is closed; open a new one")
         key = key or getattr(fn, "__qualname__", None) or repr(fn)
@@ -133,6 +136,8 @@ class Session:
                 await asyncio.wrap_future(future)
         try:
             value = await _call_test(fn, await self._ensure_sandbox(state))
+            if mutates:
+                self._sandbox_state = None  # the check may have changed it: no longer at a known state
             self.cache._record_test(self.graph, state, key, value)
         except BaseException as error:
             self.cache._resolve_test(self.graph, state, key, _for_waiters(error))
@@ -468,8 +473,8 @@ class SyncSession:
     def call(self, name: str, arguments: dict[str, Any] | None = None) -> ToolResult:
         return self._runner.run(self.session.call(name, arguments))
 
-    def test(self, fn: TestFunction, *, key: str | None = None) -> TestResult:
-        return self._runner.run(self.session.test(fn, key=key))
+    def test(self, fn: TestFunction, *, key: str | None = None, mutates: bool = True) -> TestResult:
+        return self._runner.run(self.session.test(fn, key=key, mutates=mutates))
 
     def close(self) -> None:
         try:

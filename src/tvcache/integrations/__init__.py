@@ -1,0 +1,17 @@
+"""Adapters that put tvcache under the trainers and tool servers people already run.
+
+One module per framework, each behind its own optional extra and imported lazily:
+
+- ``tvcache.integrations.mcp_proxy`` — ``tvcache mcp-proxy -- CMD``: a caching MCP server in front of any MCP
+  server (``pip install 'tvcache[mcp]'``);
+- ``tvcache.integrations.skyrl`` — SkyRL-gym ``BaseTextEnv`` wrapper, text2sql preset (``tvcache[skyrl]``);
+- ``tvcache.integrations.tinker`` — a tinker-cookbook ``SandboxFactory`` of caching sandboxes (``tvcache[tinker]``);
+- ``tvcache.integrations.verl`` — a veRL ``BaseTool`` wrapper and agent loop (``tvcache[verl]``).
+
+Each adapter takes one ``cache`` setting (``tvcache.integrations.open_cache``): None or a directory for an embedded
+cache, a URL for ``tvcache serve``, a list of URLs for sharded servers.
+"""
+
+from ._common import CacheLike, CacheLocation, ExternalSandboxFactory, open_cache
+
+__all__ = ["CacheLike", "CacheLocation", "ExternalSandboxFactory", "open_cache"]

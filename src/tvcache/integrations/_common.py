@@ -1,0 +1,159 @@
+"""What every adapter shares: the one ``cache`` setting, sandboxes over state tvcache cannot snapshot, a loop
+for synchronous frameworks, and lazy imports that name the extra to install."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import math
+import os
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol, TypeVar
+
+from ..cache import Cache
+from ..calls import ToolSpec
+from ..errors import InvalidInput, SandboxError
+from ..protocol import Sandbox, Snapshot
+from ..session import Session
+
+__all__ = [
+    "BackgroundLoop",
+    "CacheLike",
+    "CacheLocation",
+    "ExternalSandboxFactory",
+    "open_cache",
+    "require",
+]
+
+T = TypeVar("T")
+
+
+class CacheLike(Protocol):
+    """What adapters need of a cache: ``Cache``, ``RemoteCache`` and ``ShardedCache`` all fit."""
+
+    def session(self, task_id: str, *, sandbox: Any) -> Session: ...
+
+    def close(self) -> None: ...
+
+
+CacheLocation = CacheLike | str | os.PathLike[str] | Sequence[str] | None
+"""The one setting that picks a deployment: None (in memory), a directory (durable, embedded), an
+``http(s)://`` URL (``tvcache serve``), a list of URLs (sharded servers), or an already open cache."""
+
+
+def open_cache(where: CacheLocation, *, token: str | None = None, tools: Iterable[ToolSpec] = ()) -> CacheLike:
+    """Open the cache ``where`` names (see ``CacheLocation``). An open cache is returned as it is."""
+    if where is None:
+        return Cache(tools=tools)
+    if isinstance(where, str) and where.startswith(("http://", "https://")):
+        return _remote([where], token=token, tools=tools)
+    if isinstance(where, str | os.PathLike):
+        return Cache(Path(where), tools=tools)
+    if isinstance(where, Sequence):
+        urls = list(where)
+        if not urls or not all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in urls):
+            raise InvalidInput(
+                f"cache location {where!r:.200} is not understood; give None (in memory), a directory, an "
+                "http(s):// URL of `tvcache serve`, or a non-empty list of such URLs (sharded servers)"
+            )
+        return _remote(urls, token=token, tools=tools)
+    return where  # an open cache
+
+
+def _remote(urls: list[str], *, token: str | None, tools: Iterable[ToolSpec]) -> CacheLike:
+    try:
+        from ..client import RemoteCache, ShardedCache
+    except ImportError as error:
+        raise ImportError(
+            f"a cache at {', '.join(urls)} needs the 'server' extra: pip install 'tvcache[server]'"
+        ) from error
+    if len(urls) == 1:
+        return RemoteCache(urls[0], token=token, tools=tools)
+    return ShardedCache(urls, token=token, tools=tools)
+
+
+def require(module: str, extra: str) -> ModuleType:
+    """Import an optional framework, or fail with the command that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(
+            f"this tvcache integration needs {module.split('.')[0]!r}, which is not installed: "
+            f"pip install 'tvcache[{extra}]' ({error})"
+        ) from error
+
+
+class ExternalSandboxFactory:
+    """Sandboxes over state that lives outside tvcache (an MCP server process, a framework's tool, a cloud
+    sandbox): they can be started fresh and stopped, never snapshotted or forked.
+
+    The cost hints make snapshots look infinitely expensive, so the cache never asks for one; a miss after
+    hits starts a fresh sandbox and replays the cached stateful calls of the path (checking each result).
+    ``tools`` may be a mapping that fills in later (an MCP server's tool list is only known once listed).
+    """
+
+    def __init__(
+        self,
+        *,
+        kind: str,
+        tools: Mapping[str, ToolSpec],
+        start: Callable[[], Awaitable[Sandbox]],
+    ) -> None:
+        self.kind = kind
+        self._tools = tools
+        self._start = start
+        self.cost_hints: Mapping[str, float] = {"snapshot": math.inf, "fork": math.inf}
+
+    @property
+    def tools(self) -> Mapping[str, ToolSpec]:
+        return self._tools
+
+    async def start(self) -> Sandbox:
+        return await self._start()
+
+    async def fork(self, snapshot: Snapshot) -> Sandbox:
+        raise SandboxError(f"{self.kind} sandboxes cannot be forked (they are never snapshotted)")
+
+    def discard(self, snapshot: Snapshot) -> None:
+        """Nothing to free: this backend never snapshots."""
+
+    def __repr__(self) -> str:
+        return f"ExternalSandboxFactory(kind={self.kind!r}, tools={sorted(self._tools)})"
+
+
+class NoSnapshots:
+    """Mixin for sandboxes of an ``ExternalSandboxFactory``: ``snapshot`` is never called, and says so if it is."""
+
+    async def snapshot(self, dest: Path) -> Snapshot:
+        raise SandboxError(f"{type(self).__name__} cannot snapshot its state")
+
+
+class BackgroundLoop:
+    """An event loop on a daemon thread, for frameworks whose environment API is synchronous: ``run`` blocks the
+    calling thread (whether or not it is itself running a loop) until the coroutine finishes there."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._get()).result()
+
+    def _get(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="tvcache-integration", daemon=True).start()
+                self._loop = loop
+            return self._loop
+
+
+_SHARED_LOOP = BackgroundLoop()
+
+
+def shared_loop() -> BackgroundLoop:
+    """The process-wide background loop of the synchronous adapters."""
+    return _SHARED_LOOP

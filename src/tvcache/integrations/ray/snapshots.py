@@ -1,0 +1,531 @@
+"""Snapshots every node can fork: content-addressed publication to a shared store, with a node-local cache.
+
+``PublishedSnapshots(factory, store)`` wraps any snapshotting ``SandboxFactory`` (SQLite, folder: backends whose
+snapshot is one file or one directory tree). After its sandbox freezes a snapshot, the data is packed (a file as
+is, a directory as a tar archive), addressed by its BLAKE2b-256 digest and published to ``store``; the snapshot
+record the shards keep carries the digest. A fork on the node that made the snapshot uses the local copy; a fork
+anywhere else fetches the data, checks its digest on arrival (a mismatch is refused, never forked) and unpacks it
+into a node-local cache that later forks on that node reuse.
+
+Stores: ``RayObjectStore`` keeps blobs in Ray's object store, put (and so owned) by a named actor, so any node of
+the cluster can pull them (lost with the actor's node, or if the actor restarts: a fork that cannot fetch starts
+fresh and replays, which costs time, never correctness). ``DirectoryStore`` keeps them under a directory
+every node mounts (a shared filesystem), which survives node loss.
+
+Eviction respects leases everywhere: a blob is released only when the shards evict its snapshot record, which
+they never do while any client on any node leases it; every publication holds one reference, so a blob shared
+by two records outlives the first eviction. The node-local cache is bounded by bytes and evicts the least
+recently used entries, skipping any entry a fork on that node is reading (a shared ``flock``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import io
+import os
+import secrets
+import shutil
+import tarfile
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import ray
+from ray.exceptions import RayError
+
+from ...calls import ToolCall, ToolSpec
+from ...errors import SandboxError
+from ...protocol import Outcome, Sandbox, SandboxFactory, Snapshot
+
+__all__ = [
+    "PUBLISHED",
+    "BlobStore",
+    "DirectoryStore",
+    "NodeCache",
+    "PublishedSnapshots",
+    "RayObjectStore",
+    "blob_digest",
+    "current_node_id",
+]
+
+PUBLISHED = "tvcache.published"
+"""The snapshot meta key holding a publication: ``{"digest", "format", "node", "publication", "store"}``."""
+
+
+def blob_digest(data: bytes) -> str:
+    """The content address of a blob: BLAKE2b-256, hex."""
+    return hashlib.blake2b(data, digest_size=32).hexdigest()
+
+
+def current_node_id() -> str:
+    """This node's identity: the Ray node id inside Ray, else the host name."""
+    if ray.is_initialized():
+        return str(ray.get_runtime_context().get_node_id())
+    return os.uname().nodename
+
+
+# ---------------------------------------------------------------------------------------------- stores
+
+
+class BlobStore(Protocol):
+    """A store of immutable blobs by digest, reachable from every node. Each ``put`` adds one reference
+    (``publication``); ``release`` drops it, and the blob is deleted with its last reference."""
+
+    @property
+    def name(self) -> str: ...
+
+    def put(self, digest: str, data: bytes, publication: str) -> None: ...
+
+    def get(self, digest: str) -> bytes | None:
+        """The blob, or None when the store no longer has it (released, or lost)."""
+        ...
+
+    def release(self, digest: str, publication: str) -> None: ...
+
+
+class DirectoryStore:
+    """Blobs as files under ``root`` (a directory every node mounts): ``blobs/<d[:2]>/<d>``, one reference
+    file per publication under ``refs/<d>/``; writes are atomic renames, bookkeeping runs under a ``flock``."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        for sub in ("blobs", "refs"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self._lock_path = self.root / "lock"
+
+    @property
+    def name(self) -> str:
+        return f"dir:{self.root}"
+
+    def _blob(self, digest: str) -> Path:
+        return self.root / "blobs" / digest[:2] / digest
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def put(self, digest: str, data: bytes, publication: str) -> None:
+        refs = self.root / "refs" / digest
+        with self._locked():
+            refs.mkdir(parents=True, exist_ok=True)
+            (refs / publication).touch()
+            blob = self._blob(digest)
+            if blob.exists():
+                return
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            partial = blob.with_name(f"{digest}.{secrets.token_hex(4)}.partial")
+            partial.write_bytes(data)
+            os.replace(partial, blob)
+
+    def get(self, digest: str) -> bytes | None:
+        try:
+            return self._blob(digest).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def release(self, digest: str, publication: str) -> None:
+        refs = self.root / "refs" / digest
+        with self._locked():
+            (refs / publication).unlink(missing_ok=True)
+            if refs.is_dir() and not any(refs.iterdir()):
+                refs.rmdir()
+                self._blob(digest).unlink(missing_ok=True)
+
+    def __repr__(self) -> str:
+        return f"DirectoryStore({str(self.root)!r})"
+
+
+class BlobActor:
+    """The owner of the blobs of a ``RayObjectStore`` (a named Ray actor): digest -> object ref and references."""
+
+    def __init__(self) -> None:
+        self._blobs: dict[str, list[Any]] = {}
+        self._refs: dict[str, set[str]] = {}
+
+    def put(self, digest: str, publication: str, data: bytes) -> None:
+        self._refs.setdefault(digest, set()).add(publication)
+        if digest not in self._blobs:
+            # Put by this actor, so this actor owns the object: it outlives the worker that published it.
+            self._blobs[digest] = [ray.put(data)]
+
+    def get(self, digest: str) -> list[Any] | None:
+        """The blob's object ref, in a list so that Ray hands back the reference, not the value."""
+        return self._blobs.get(digest)
+
+    def release(self, digest: str, publication: str) -> None:
+        holders = self._refs.get(digest)
+        if holders is None:
+            return
+        holders.discard(publication)
+        if not holders:
+            del self._refs[digest]
+            self._blobs.pop(digest, None)
+
+    def stats(self) -> dict[str, int]:
+        return {"blobs": len(self._blobs), "references": sum(len(refs) for refs in self._refs.values())}
+
+
+class RayObjectStore:
+    """Blobs in Ray's object store, put by the named actor ``tvcache-blobs`` (created on first use) so that it owns
+    them: they outlive the worker that published them, and any node can pull them."""
+
+    ACTOR = "tvcache-blobs"
+
+    def __init__(self, *, namespace: str = "tvcache", timeout: float = 60.0) -> None:
+        if not ray.is_initialized():
+            raise SandboxError("RayObjectStore needs a connected Ray process: call ray.init() first")
+        self.namespace = namespace
+        self.timeout = timeout
+        # Any: Ray's stubs type actor methods as plain functions, without ``.remote``.
+        self._actor: Any = (
+            ray.remote(BlobActor)
+            .options(
+                name=self.ACTOR,
+                namespace=namespace,
+                get_if_exists=True,
+                lifetime="detached",
+                num_cpus=0,
+                max_restarts=-1,
+                max_task_retries=-1,
+            )
+            .remote()
+        )
+
+    @property
+    def name(self) -> str:
+        return f"ray:{self.namespace}/{self.ACTOR}"
+
+    def put(self, digest: str, data: bytes, publication: str) -> None:
+        ray.get(self._actor.put.remote(digest, publication, data), timeout=self.timeout)
+
+    def get(self, digest: str) -> bytes | None:
+        try:
+            refs = ray.get(self._actor.get.remote(digest), timeout=self.timeout)
+            if not refs:
+                return None
+            data = ray.get(refs[0], timeout=self.timeout)
+        except RayError:  # the node holding it is gone, or the owner restarted: the blob is lost
+            return None
+        return bytes(data)
+
+    def release(self, digest: str, publication: str) -> None:
+        ray.get(self._actor.release.remote(digest, publication), timeout=self.timeout)
+
+    def stats(self) -> dict[str, int]:
+        stats: dict[str, int] = ray.get(self._actor.stats.remote(), timeout=self.timeout)
+        return stats
+
+    def __repr__(self) -> str:
+        return f"RayObjectStore(namespace={self.namespace!r})"
+
+
+# ---------------------------------------------------------------------------------------------- packing
+
+
+def pack(path: Path) -> tuple[bytes, str]:
+    """A snapshot's data as one blob and its format: ``file`` (the bytes) or ``tar`` (a directory tree)."""
+    if path.is_file():
+        return path.read_bytes(), "file"
+    if not path.is_dir():
+        raise SandboxError(f"snapshot {path} is neither a file nor a directory; it cannot be published")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        archive.add(path, arcname=".", recursive=False)
+        for directory, dirs, files in os.walk(path):
+            dirs.sort()
+            for name in sorted(dirs + files):
+                full = os.path.join(directory, name)
+                archive.add(full, arcname=os.path.relpath(full, path), recursive=False)
+    return buffer.getvalue(), "tar"
+
+
+def unpack(data: bytes, fmt: str, dest: Path) -> None:
+    """Write a blob to ``dest`` (which must not exist) as a file or a directory tree."""
+    if fmt == "file":
+        dest.write_bytes(data)
+        return
+    if fmt != "tar":
+        raise SandboxError(f"unknown published snapshot format {fmt!r}; is this tvcache older than the publisher?")
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as archive:
+        archive.extractall(dest, filter="tar")  # refuses absolute paths and links leaving dest
+
+
+# ---------------------------------------------------------------------------------------------- node cache
+
+
+class NodeCache:
+    """Fetched (and locally published) snapshot data on this node, by digest, bounded by ``max_bytes``."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, *, max_bytes: int = 2 * 1024**3) -> None:
+        self.root = Path(root) if root is not None else Path(tempfile.gettempdir()) / "tvcache-node-cache"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.fetched = 0
+        self.reused = 0
+        self._lock = threading.Lock()
+
+    def path(self, digest: str) -> Path:
+        return self.root / digest
+
+    @contextlib.contextmanager
+    def pinned(self, digest: str) -> Iterator[None]:
+        """Hold ``digest``'s entry against eviction (any process on this node) while a fork reads it."""
+        fd = os.open(self.root / f"{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
+
+    def adopt(self, digest: str, source: Path) -> Path:
+        """Move a locally made snapshot's data in as ``digest``'s entry (the caller pins it)."""
+        dest = self.path(digest)
+        if dest.exists():
+            _remove(source)
+        else:
+            try:
+                os.replace(source, dest)
+            except OSError:  # another filesystem
+                shutil.move(source, dest)
+        self._evict()
+        return dest
+
+    def fetch(self, digest: str, fmt: str, store: BlobStore) -> Path:
+        """``digest``'s entry, fetched from ``store`` and verified if this node does not hold it yet (the caller
+        pins it)."""
+        dest = self.path(digest)
+        if dest.exists():
+            os.utime(dest)  # recently used
+            self.reused += 1
+            return dest
+        data = store.get(digest)
+        if data is None:
+            raise SandboxError(
+                f"snapshot blob {digest[:16]} is not in {store.name} (released, or lost with a node); "
+                "the state will be rebuilt by replay"
+            )
+        actual = blob_digest(data)
+        if actual != digest:
+            raise SandboxError(
+                f"snapshot blob from {store.name} does not match its address ({actual[:16]} != {digest[:16]}); "
+                "refusing to fork corrupted data"
+            )
+        partial = self.root / f"{digest}.{secrets.token_hex(4)}.partial"
+        try:
+            if fmt == "tar":
+                partial.mkdir()
+            unpack(data, fmt, partial)
+            try:
+                os.rename(partial, dest)
+            except OSError:  # a concurrent fetch on this node won: use its copy
+                _remove(partial)
+        finally:
+            _remove(partial)
+        self.fetched += 1
+        self._evict()
+        return dest
+
+    def drop(self, digest: str) -> None:
+        """Remove ``digest``'s entry unless a fork is reading it."""
+        self._try_remove(digest)
+
+    def _evict(self) -> None:
+        with self._lock:
+            entries = []
+            for entry in self.root.iterdir():
+                if entry.name.endswith((".lock", ".partial")):
+                    continue
+                with contextlib.suppress(OSError):
+                    entries.append((entry.stat().st_mtime, entry, _size(entry)))
+            total = sum(size for _, _, size in entries)
+            for _, entry, size in sorted(entries, key=lambda item: item[0]):
+                if total <= self.max_bytes:
+                    break
+                if self._try_remove(entry.name):
+                    total -= size
+
+    def _try_remove(self, digest: str) -> bool:
+        fd = os.open(self.root / f"{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # pinned by a fork in progress
+            _remove(self.path(digest))
+            return True
+        finally:
+            os.close(fd)
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(
+        os.lstat(os.path.join(directory, name)).st_size for directory, _, files in os.walk(path) for name in files
+    )
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------- factory
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Publication:
+    digest: str
+    format: str
+    node: str
+    publication: str
+    store: str
+
+    @classmethod
+    def of(cls, snapshot: Snapshot) -> Publication | None:
+        data = snapshot.meta.get(PUBLISHED)
+        if not isinstance(data, Mapping):
+            return None
+        return cls(
+            digest=str(data["digest"]),
+            format=str(data["format"]),
+            node=str(data["node"]),
+            publication=str(data["publication"]),
+            store=str(data["store"]),
+        )
+
+    def to_json(self) -> dict[str, str]:
+        return {
+            "digest": self.digest,
+            "format": self.format,
+            "node": self.node,
+            "publication": self.publication,
+            "store": self.store,
+        }
+
+
+class PublishedSnapshots:
+    """A ``SandboxFactory`` whose snapshots any node can fork (see the module docstring)::
+
+        factory = PublishedSnapshots(SQLiteSandbox.factory("app.db"), RayObjectStore())
+        async with RayCache().session("task-1", sandbox=factory) as s: ...
+
+    ``node_id``: this node's identity (default: the Ray node id). ``cache``: the node-local cache of fetched data.
+    """
+
+    def __init__(
+        self,
+        factory: SandboxFactory,
+        store: BlobStore,
+        *,
+        cache: NodeCache | None = None,
+        node_id: str | None = None,
+    ) -> None:
+        self.inner = factory
+        self.kind = factory.kind
+        self.store = store
+        self.cache = cache or NodeCache()
+        self.node_id = node_id or current_node_id()
+        self.cost_hints: Mapping[str, float] = getattr(factory, "cost_hints", {})
+        self.published = 0
+
+    @property
+    def tools(self) -> Mapping[str, ToolSpec]:
+        return self.inner.tools
+
+    async def start(self) -> Sandbox:
+        return _PublishingSandbox(await self.inner.start(), self)
+
+    async def fork(self, snapshot: Snapshot) -> Sandbox:
+        publication = Publication.of(snapshot)
+        if publication is None:  # made by an unwrapped factory: only usable where its files are
+            return _PublishingSandbox(await self.inner.fork(snapshot), self)
+        with self.cache.pinned(publication.digest):
+            local = self._local_copy(snapshot, publication)
+            if local is None:
+                local = await asyncio.to_thread(self.cache.fetch, publication.digest, publication.format, self.store)
+            plain = Snapshot(kind=snapshot.kind, path=str(local), bytes=snapshot.bytes, meta=_inner_meta(snapshot))
+            return _PublishingSandbox(await self.inner.fork(plain), self)
+
+    def _local_copy(self, snapshot: Snapshot, publication: Publication) -> Path | None:
+        """The snapshot's data on this node without fetching: its own path where it was made, or a cached copy."""
+        if publication.node == self.node_id and Path(snapshot.path).exists():
+            return Path(snapshot.path)
+        cached = self.cache.path(publication.digest)
+        return cached if cached.exists() else None
+
+    def discard(self, snapshot: Snapshot) -> None:
+        """The shards evicted the snapshot (never while leased): drop this publication's reference in the store
+        and this node's copy if no fork is reading it."""
+        publication = Publication.of(snapshot)
+        if publication is None:
+            self.inner.discard(snapshot)
+            return
+        self.store.release(publication.digest, publication.publication)
+        self.cache.drop(publication.digest)
+
+    async def publish(self, snapshot: Snapshot) -> Snapshot:
+        """Publish a snapshot just made on this node; returns its record (the data moves into the node cache)."""
+        source = Path(snapshot.path)
+        data, fmt = await asyncio.to_thread(pack, source)
+        digest = blob_digest(data)
+        publication = Publication(
+            digest=digest, format=fmt, node=self.node_id, publication=secrets.token_hex(8), store=self.store.name
+        )
+        await asyncio.to_thread(self.store.put, digest, data, publication.publication)
+        with self.cache.pinned(digest):
+            local = await asyncio.to_thread(self.cache.adopt, digest, source)
+        self.published += 1
+        return Snapshot(
+            kind=snapshot.kind,
+            path=str(local),
+            bytes=snapshot.bytes,
+            meta={**snapshot.meta, PUBLISHED: publication.to_json()},
+        )
+
+    def __repr__(self) -> str:
+        return f"PublishedSnapshots({self.inner!r}, {self.store!r})"
+
+
+def _inner_meta(snapshot: Snapshot) -> dict[str, Any]:
+    return {key: value for key, value in snapshot.meta.items() if key != PUBLISHED}
+
+
+class _PublishingSandbox:
+    """A sandbox of the wrapped backend whose snapshots are published as they are made."""
+
+    def __init__(self, sandbox: Sandbox, factory: PublishedSnapshots) -> None:
+        self.inner = sandbox
+        self._factory = factory
+
+    async def execute(self, call: ToolCall) -> Outcome:
+        return await self.inner.execute(call)
+
+    async def snapshot(self, dest: Path) -> Snapshot:
+        return await self._factory.publish(await self.inner.snapshot(dest))
+
+    async def state_digest(self) -> str | None:
+        method = getattr(self.inner, "state_digest", None)
+        if method is None:
+            return None
+        digest: str | None = await method()
+        return digest
+
+    async def stop(self) -> None:
+        await self.inner.stop()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)  # backend extras tests use (a folder sandbox's ``folder``, ...)
