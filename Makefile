@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test test-frameworks lint format bench clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,23 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q -m 'not slow'
 
+# veRL and Tinker pull in torch (~1.5-1.9 GB each, and conflicting transformers pins): each gets its own venv
+# with the CPU torch wheel, and runs only its adapter's tests. CI runs this after `make test`.
+FRAMEWORKS ?= verl tinker
+test-frameworks:
+	@for fw in $(FRAMEWORKS); do \
+	  venv=.venv-$$fw; \
+	  if [ ! -f $$venv/.installed ]; then \
+	    $(PYTHON) -m venv $$venv && \
+	    $$venv/bin/python -m pip install --quiet --upgrade pip && \
+	    $$venv/bin/python -m pip install --quiet torch==2.13.0 && \
+	    $$venv/bin/python -m pip install --quiet -e ".[$$fw,server]" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" && \
+	    touch $$venv/.installed || exit 1; \
+	  fi; \
+	  $$venv/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_$$fw.py \
+	    tests/integrations/test_readme_snippets.py -k "$$fw" || exit 1; \
+	done
+
 format: $(STAMP)
 	$(VENV)/bin/ruff format src tests
 	$(VENV)/bin/ruff check --fix src tests
@@ -33,4 +50,4 @@ bench: $(STAMP)
 	$(VENV)/bin/tvcache bench lookup
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-verl .venv-tinker .pytest_cache .mypy_cache .ruff_cache
