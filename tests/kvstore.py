@@ -24,6 +24,8 @@ TOOLS = {
     "now": ToolSpec(name="now", deterministic=False, read_only=True, arguments={}),
     "stamp": ToolSpec(name="stamp", deterministic=False, arguments={"key": str}),
     "fail": ToolSpec(name="fail", arguments={}),
+    "dirty": ToolSpec(name="dirty", arguments={"key": str, "seconds": float}),
+    "weird": ToolSpec(name="weird", arguments={}),
 }
 _clock = itertools.count()
 
@@ -51,14 +53,19 @@ class KVSandbox:
             return Outcome(output=",".join(sorted(self.data)), changed_state=False)
         if call.name == "now":
             return Outcome(output=str(next(_clock)), changed_state=False)
+        if call.name == "weird":  # output a backend forgot to decode with errors="replace"
+            return Outcome(output="bad \udcff byte", changed_state=False)
+        if call.name == "dirty":  # changes the state, then takes a while: a cancelled call leaves it half done
+            self.data[args["key"]] = "dirty"
+            await asyncio.sleep(args["seconds"])
         if call.name == "slow":
             await asyncio.sleep(args["seconds"])
         if call.name == "stamp":
             self.data[args["key"]] = next(_clock)
-            return Outcome(output="stamped", changed_state=True)
+            return Outcome(output=f"stamped {self.data[args['key']]}", changed_state=True)
         if call.name == "set":
             self.data[args["key"]] = args["value"]
-        elif call.name in ("incr", "slow"):
+        elif call.name in ("incr", "slow", "dirty"):
             self.data[args["key"]] = int(self.data.get(args["key"], 0)) + 1
         return Outcome(output=f"{args['key']}={self.data.get(args['key'])}", changed_state=True)
 
@@ -85,6 +92,7 @@ class KVFactory:
         self.forked = 0
         self.live = 0
         self.broken = False
+        self.discarded: list[str] = []
         self.cost_hints = cost_hints
 
     @property
@@ -105,4 +113,5 @@ class KVFactory:
         return KVSandbox(self, json.loads(path.read_text()))
 
     def discard(self, snapshot: Snapshot) -> None:
+        self.discarded.append(snapshot.path)
         Path(snapshot.path).unlink(missing_ok=True)

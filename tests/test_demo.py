@@ -64,3 +64,16 @@ def test_replay_of_a_hand_written_trace(tmp_path: Path) -> None:
     )
     assert completed.returncode != 0
     assert "not a trace record" in completed.stderr
+
+
+def test_replay_refuses_malformed_records_with_their_line(tmp_path: Path) -> None:
+    good = {"task": "t", "rollout": 0, "step": 0, "call": {"name": "sh", "arguments": {}}, "seconds": 1.0}
+    for broken in ({**good, "seconds": "fast"}, {**good, "step": "0"}, {**good, "call": "ls"}):
+        trace = tmp_path / "trace.jsonl"
+        trace.write_text(json.dumps(good) + "\n" + json.dumps(broken) + "\n")
+        completed = subprocess.run(
+            [sys.executable, "-m", "tvcache.cli", "replay", str(trace)], capture_output=True, text=True, timeout=60
+        )
+        assert completed.returncode != 0
+        assert f"{trace}:2: not a trace record" in completed.stderr
+        assert "Traceback" not in completed.stderr

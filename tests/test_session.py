@@ -13,6 +13,7 @@ from tvcache import (
     Budget,
     Cache,
     CostAwareSnapshots,
+    InvalidInput,
     InvalidTaskId,
     InvalidToolCall,
     NeverSnapshot,
@@ -313,7 +314,7 @@ def test_bad_input_gets_clear_errors() -> None:
 
     async def rollout() -> None:
         async with cache.session("t", sandbox=factory) as session:
-            with pytest.raises(UnknownTool, match="declared tools are: fail, get"):
+            with pytest.raises(UnknownTool, match="declared tools are: dirty, fail, get"):
                 await session.call("rm", {})
             with pytest.raises(InvalidToolCall, match="missing required argument"):
                 await session.call("get", {})
@@ -406,3 +407,119 @@ def test_a_check_that_changes_the_sandbox_does_not_leak_into_later_calls() -> No
             return [(await session.call("get", {"key": "a"})).output]
 
     assert asyncio.run(main()) == ["1"]  # what uncached execution of set + get returns
+
+
+# ---------------------------------------------------------------- regressions found in review
+
+
+def test_one_waiter_giving_up_does_not_cancel_the_call_for_the_others() -> None:
+    cache, factory = Cache(), KVFactory()
+    slow = ("slow", {"key": "a", "seconds": 0.2})
+
+    async def main() -> tuple[list, list]:
+        owner = asyncio.create_task(run(cache, factory, [slow]))
+        for _ in range(1000):
+            if cache._inflight:
+                break
+            await asyncio.sleep(0)
+        impatient = asyncio.create_task(run(cache, factory, [slow]))
+        patient = asyncio.create_task(run(cache, factory, [slow]))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        impatient.cancel()
+        return await owner, await patient
+
+    owner, patient = asyncio.run(main())
+    assert owner[0].output == patient[0].output == "a=1"
+    assert factory.executed["slow"] == 1
+
+
+def test_a_call_cancelled_halfway_does_not_leak_its_effects_into_the_cache() -> None:
+    cache, factory = Cache(snapshot_policy=NeverSnapshot()), KVFactory()
+
+    async def first() -> None:
+        async with cache.session("t", sandbox=factory) as session:
+            await session.call("set", {"key": "a", "value": 1})
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(session.call("dirty", {"key": "a", "seconds": 5.0}), 0.05)
+            await session.call("get", {"key": "a"})
+
+    asyncio.run(first())
+    second = asyncio.run(run(cache, factory, [("set", {"key": "a", "value": 1}), ("get", {"key": "a"})]))
+    assert [r.output for r in second] == ["a=1", "1"]  # what `set a=1; get a` really returns
+
+
+def test_a_failing_check_that_changed_the_sandbox_does_not_leak_either() -> None:
+    cache, factory = Cache(snapshot_policy=NeverSnapshot()), KVFactory()
+
+    async def vandal(sandbox) -> str:
+        sandbox.data["a"] = 999
+        raise RuntimeError("grader crashed")
+
+    async def main() -> str:
+        async with cache.session("t", sandbox=factory) as session:
+            await session.call("set", {"key": "a", "value": 1})
+            with pytest.raises(RuntimeError, match="grader crashed"):
+                await session.test(vandal, key="grade")
+            return (await session.call("get", {"key": "a"})).output
+
+    assert asyncio.run(main()) == "1"
+
+
+def test_a_tool_mis_declared_read_only_is_caught_by_the_backend() -> None:
+    cache = Cache(tools=[ToolSpec(name="incr", read_only=True, arguments={"key": str})])
+    factory = KVFactory()
+    with pytest.warns(RuntimeWarning, match="declared read-only but changed"):
+        asyncio.run(run(cache, factory, [("incr", {"key": "a"}), ("get", {"key": "a"})]))
+    second = asyncio.run(run(cache, factory, [("get", {"key": "a"})]))
+    assert second[0].output == "None"  # `get a` alone: the key was never incremented
+
+
+def test_checks_need_an_explicit_key_when_their_name_cannot_tell_them_apart() -> None:
+    cache, factory = Cache(), KVFactory()
+
+    async def main() -> None:
+        async with cache.session("t", sandbox=factory) as session:
+            with pytest.raises(InvalidInput, match="pass key="):
+                await session.test(lambda sandbox: 1)
+
+    asyncio.run(main())
+
+
+def test_a_replay_that_diverges_takes_the_rollout_off_the_cached_paths() -> None:
+    cache = Cache(
+        snapshot_policy=NeverSnapshot(), tools=[ToolSpec(name="stamp", deterministic=True, arguments={"key": str})]
+    )
+    factory = KVFactory()
+    asyncio.run(run(cache, factory, [("stamp", {"key": "s"}), ("get", {"key": "s"})]))
+    with pytest.warns(NondeterminismWarning):
+        second = asyncio.run(run(cache, factory, [("stamp", {"key": "s"}), ("incr", {"key": "x"})]))
+    assert second[0].hit
+    assert second[1].cached is False  # executed in a state the graph does not describe: never recorded
+    stamp = cache.graph("t").root.step(second[0].call)
+    assert stamp is not None
+    assert stamp.children is None or all(child.call.name != "incr" for child in stamp.children.values())
+
+
+def test_a_result_the_journal_cannot_take_fails_cleanly_and_releases_waiters(tmp_path: Path) -> None:
+    cache, factory = Cache(tmp_path / "cache"), KVFactory()
+
+    async def main() -> list:
+        return await asyncio.gather(*(run(cache, factory, [("weird", {})]) for _ in range(3)), return_exceptions=True)
+
+    outcomes = asyncio.run(asyncio.wait_for(main(), 30))
+    assert all(isinstance(outcome, SandboxError) for outcome in outcomes)
+    assert "not valid Unicode" in str(outcomes[0])
+    assert len(cache.graph("t")) == 1
+    assert not cache._inflight
+    cache.close()
+
+
+def test_evicted_snapshots_are_freed_by_the_factory_that_made_them() -> None:
+    cache = Cache(snapshot_policy=AlwaysSnapshot(), budget=Budget(max_snapshots_per_task=1))
+    first, second = KVFactory(), KVFactory()
+    asyncio.run(run(cache, first, [("incr", {"key": "a"})], task="t1"))
+    for value in range(4):
+        asyncio.run(run(cache, second, [("set", {"key": "b", "value": value})], task="t2"))
+    assert first.discarded == []
+    assert len(second.discarded) == 3

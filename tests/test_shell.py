@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -394,3 +395,56 @@ def test_without_overlay_privileges_it_falls_back_to_copies(tmp_path: Path, monk
     assert isinstance(factory, FolderSandboxFactory)
     with pytest.raises(Exception, match="not permitted"):
         ShellSandbox.factory(base, fallback=False)
+
+
+def test_a_squash_keeps_owners_hard_links_and_special_files(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path, max_layers=2)
+
+    async def main() -> tuple[str, str]:
+        sandbox = await factory.start()
+        setup = (
+            "touch owned && chown 65534 owned && ln a.txt hard && mkfifo pipe && stat -c '%U %h %F' owned a.txt pipe"
+        )
+        before = (await sandbox.execute(sh(setup))).output
+        for index in range(4):  # more snapshots than max_layers: the stack is squashed
+            await sandbox.execute(sh(f"echo {index} > f{index}"))
+            await sandbox.snapshot(tmp_path / f"s{index}")
+        assert len(sandbox.layers) <= 2
+        after = (await sandbox.execute(sh("stat -c '%U %h %F' owned a.txt pipe"))).output
+        await sandbox.stop()
+        return before, after
+
+    before, after = asyncio.run(main())
+    assert before == after == "nobody 1 regular empty file\nroot 2 regular file\nroot 1 fifo\n"
+
+
+def test_a_bad_timeout_is_a_clear_error_and_keeps_the_sandbox(tmp_path: Path) -> None:
+    from tvcache import InvalidToolCall
+
+    factory = factory_for(tmp_path)
+    cache = Cache()
+
+    async def main() -> None:
+        async with cache.session("t", sandbox=factory) as session:
+            await session.call("sh", {"cmd": "echo x > f"})
+            live = session._sandbox
+            with pytest.raises(InvalidToolCall, match="timeout must be > 0"):
+                await session.call("sh", {"cmd": "cat f", "timeout": 0})
+            assert session._sandbox is live
+
+    asyncio.run(main())
+
+
+def test_cancelled_starts_leave_nothing_behind(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path)
+
+    async def main() -> None:
+        for _ in range(10):
+            task = asyncio.create_task(factory.start())
+            await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+    assert os.listdir(factory.store.directory / "uppers") == []

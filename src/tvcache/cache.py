@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .calls import ToolCall, ToolSpec, canonical_json, stable_digest
-from .errors import InvalidTaskId, InvalidToolCall, UnknownTool
+from .errors import InvalidTaskId, InvalidToolCall, SandboxError, UnknownTool
 from .graph import Lease, Node, ToolCallGraph
 from .journal import Journal
 from .policies import Budget, CostAwareSnapshots, CostModel, EvictionPolicy, LowReuseFirst, SnapshotPolicy
@@ -90,6 +90,7 @@ class Cache:
         self._inflight: dict[InflightKey, Future[Node | None]] = {}
         self._costs: dict[str, CostModel] = {}
         self._discarders: dict[str, Callable[[Snapshot], None]] = {}
+        self._owners: dict[str, Callable[[Snapshot], None]] = {}  # snapshot path -> its factory's discard
         # How snapshots of backends no session registered are freed, and whether reloading checks their files:
         # a server holds snapshots its clients own, so it neither deletes nor checks them (tvcache.server).
         self._discard_default = discard
@@ -239,6 +240,8 @@ class Cache:
         if future is not None:
             return False, future
         future = self._inflight[key] = Future()
+        # Running futures cannot be cancelled: one waiter giving up must not cancel the call for everyone.
+        future.set_running_or_notify_cancel()
         return True, future
 
     def _settle(self, key: InflightKey, node: Node | None, error: BaseException | None) -> None:
@@ -260,24 +263,25 @@ class Cache:
         seconds: float,
         read_only: bool,
     ) -> Node:
-        """Insert an executed call; journaled before it is returned (that is the acknowledgement)."""
+        """Insert an executed call; journaled before it is inserted and returned (that is the acknowledgement).
+        If the journal cannot take it, nothing is inserted and the error propagates."""
+        try:
+            outcome.output.encode()
+        except UnicodeEncodeError as error:
+            raise SandboxError(
+                f"the sandbox returned output for {call} that is not valid Unicode ({error.reason}); backends "
+                "must decode tool output with errors='replace'"
+            ) from error
         with self._lock:
             existing = state.step(call)
             if existing is not None:
                 return existing
-            node = graph.insert(
-                state,
-                call,
-                output=outcome.output,
-                is_error=outcome.is_error,
-                seconds=seconds,
-                read_only=read_only,
-            )
+            node_id = graph.next_id
             self._append(
                 {
                     "t": "n",
                     "task": graph.task_id,
-                    "id": node.id,
+                    "id": node_id,
                     "p": state.id,
                     "name": call.name,
                     "a": call.canonical_arguments.decode(),
@@ -287,7 +291,15 @@ class Cache:
                     "r": read_only,
                 }
             )
-            return node
+            return graph.insert(
+                state,
+                call,
+                output=outcome.output,
+                is_error=outcome.is_error,
+                seconds=seconds,
+                read_only=read_only,
+                node_id=node_id,
+            )
 
     def _claim_test(self, graph: ToolCallGraph, node: Node, key: str) -> tuple[bool, Future[Node | None]]:
         """Like ``_claim`` for an end-of-rollout check: sessions finishing in the same state run it once.
@@ -337,18 +349,38 @@ class Cache:
         directory.mkdir(parents=True, exist_ok=True)
         return directory / f"{node.id}-{random.getrandbits(32):08x}"
 
+    def _remember_owner(self, snapshot: Snapshot, factory: SandboxFactory) -> None:
+        """Evicting ``snapshot`` frees it through the factory that made it (two factories of one backend kind
+        keep separate storage)."""
+        with self._lock:
+            self._owners[snapshot.path] = factory.discard
+
+    def _discarder_for(self, snapshot: Snapshot) -> Callable[[Snapshot], None]:
+        with self._lock:
+            owner = self._owners.pop(snapshot.path, None)
+            return owner or self._discarders.get(snapshot.kind, self._discard_default)
+
     def _attach_snapshot(self, graph: ToolCallGraph, node: Node, snapshot: Snapshot) -> None:
-        discard = self._discarders.get(snapshot.kind, self._discard_default)
         with self._lock:
             if node.snapshot is not None:  # a concurrent session snapshotted the same state first
-                discard(snapshot)
-                return
-            graph.attach_snapshot(node, snapshot)
-            self._counters["snapshots_taken"] += 1
-            self._append({"t": "s", "task": graph.task_id, "id": node.id, "snap": snapshot.to_json()})
-            evicted = self._enforce_budget(graph, keep=node)
+                evicted = [snapshot]
+            else:
+                graph.attach_snapshot(node, snapshot)
+                self._counters["snapshots_taken"] += 1
+                self._append({"t": "s", "task": graph.task_id, "id": node.id, "snap": snapshot.to_json()})
+                evicted = self._enforce_budget(graph, keep=node)
         for old in evicted:
-            self._discarders.get(old.kind, self._discard_default)(old)
+            self._discarder_for(old)(old)
+
+    def _drop_snapshot(self, graph: ToolCallGraph, node: Node) -> None:
+        """Evict a snapshot that turned out unusable (its fork failed), unless someone else holds a lease."""
+        with self._lock:
+            if node.snapshot is None or node.leases:
+                return
+            snapshot = graph.detach_snapshot(node)
+            self._append({"t": "x", "task": graph.task_id, "id": node.id})
+            self._counters["snapshots_evicted"] += 1
+        self._discarder_for(snapshot)(snapshot)
 
     def _detach_snapshot(self, graph: ToolCallGraph, node: Node) -> Snapshot:
         """Forget a node's snapshot without freeing its storage (its owner moved it on); journaled."""

@@ -42,6 +42,7 @@ class Node:
         "reads",
         "seconds",
         "snapshot",
+        "subtree_hits",
         "tests",
     )
 
@@ -70,6 +71,7 @@ class Node:
         self.snapshot: Snapshot | None = None
         self.tests: dict[str, Any] | None = None
         self.hits = 0
+        self.subtree_hits = 0  # hits on this node and everything below it: the reuse a snapshot here serves
         self.leases = 0
         self.last_used = now
 
@@ -179,6 +181,11 @@ class ToolCallGraph:
     def __len__(self) -> int:
         return len(self._nodes)
 
+    @property
+    def next_id(self) -> int:
+        """The id the next inserted node gets (journals write it before inserting)."""
+        return self._next_id
+
     def node(self, node_id: int) -> Node:
         return self._nodes[node_id]
 
@@ -281,9 +288,13 @@ class ToolCallGraph:
         return node
 
     def touch(self, node: Node) -> None:
-        """Count a hit on ``node``."""
+        """Count a hit on ``node`` (and on every ancestor's subtree: O(depth), so eviction needs no walks)."""
         node.hits += 1
         node.last_used = self._clock()
+        current: Node | None = node
+        while current is not None:
+            current.subtree_hits += 1
+            current = current.parent
 
     def attach_snapshot(self, node: Node, snapshot: Snapshot) -> None:
         if node.read_only:

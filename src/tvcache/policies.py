@@ -112,19 +112,6 @@ class EvictionPolicy(Protocol):
         ...
 
 
-def _subtree_hits(node: Node) -> int:
-    total = node.hits
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        for table in (current.children, current.reads):
-            if table:
-                for child in table.values():
-                    total += child.hits
-                    stack.append(child)
-    return total
-
-
 @dataclass(frozen=True)
 class LowReuseFirst:
     """Evict the snapshots least likely to be forked again: few hits beneath them, leaves before inner
@@ -134,7 +121,7 @@ class LowReuseFirst:
 
     def priority(self, node: Node, now: float) -> tuple[float, ...]:
         has_children = 1.0 if node.children else 0.0
-        return (float(_subtree_hits(node)), has_children, -float(node.depth), node.last_used)
+        return (float(node.subtree_hits), has_children, -float(node.depth), node.last_used)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -59,9 +59,11 @@ def _load(paths: list[Path]) -> list[dict[str, Any]]:
                 try:
                     record = json.loads(line)
                     record["_call"] = ToolCall(record["call"]["name"], record["call"].get("arguments", {}))
-                    for key in ("task", "rollout", "step", "seconds"):
-                        record[key]
-                except (ValueError, KeyError, TypeError) as error:
+                    record["seconds"] = float(record["seconds"])
+                    if not isinstance(record["step"], int) or isinstance(record["step"], bool):
+                        raise TypeError(f"step must be an integer, got {record['step']!r}")
+                    record["task"], record["rollout"] = str(record["task"]), str(record["rollout"])
+                except (ValueError, KeyError, TypeError, AttributeError) as error:
                     raise SystemExit(f"tvcache replay: {path}:{number}: not a trace record ({error!r})") from error
                 records.append(record)
     return records
@@ -76,7 +78,7 @@ def replay(paths: list[Path]) -> dict[str, ReplayResult]:
         rollouts[key].append(record)
     graphs: dict[tuple[str, str], _State] = defaultdict(_State)
     results: dict[str, ReplayResult] = {}
-    for key in sorted(rollouts, key=lambda k: (str(k[0]), k[1], str(k[2]), k[3], k[4])):
+    for key in sorted(rollouts, key=lambda k: tuple(str(part) for part in k)):
         workload, task = key[0], key[2]
         result = results.setdefault(workload, ReplayResult(workload=workload))
         steps = sorted(rollouts[key], key=lambda r: (r["step"] < 0, r["step"]))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .calls import ToolCall, ToolSpec
-from .errors import ReplayError, SandboxError, SessionClosed
+from .errors import InvalidInput, ReplayError, SandboxError, SessionClosed
 from .graph import Lease, Node
 from .protocol import Outcome, Sandbox, SandboxFactory
 from .results import AuditFinding, ToolResult
@@ -119,7 +119,13 @@ class Session:
         afterwards: a later miss re-creates the state instead. Pass ``mutates=False`` for a read-only check."""
         if self.closed:
             raise SessionClosed(f"session of task {self.task_id!r} is closed; open a new one")
-        key = key or getattr(fn, "__qualname__", None) or repr(fn)
+        if key is None:
+            key = getattr(fn, "__qualname__", "") or ""
+            if not key or "<lambda>" in key or "<locals>" in key:
+                raise InvalidInput(
+                    f"pass key=... to session.test(): the default key, the function's name ({key or repr(fn)}), "
+                    "cannot tell lambdas and closures apart, so different checks would share cached values"
+                )
         started = time.perf_counter()
         state = self.state
         if state is None:  # off the cached paths: run it live, uncached
@@ -135,10 +141,12 @@ class Session:
             with contextlib.suppress(Exception):  # the owner failed: look again, and maybe run it ourselves
                 await asyncio.wrap_future(future)
         try:
-            value = await _call_test(fn, await self._ensure_sandbox(state))
+            sandbox = await self._ensure_sandbox(state)
             if mutates:
-                self._sandbox_state = None  # the check may have changed it: no longer at a known state
-            self.cache._record_test(self.graph, state, key, value)
+                self._sandbox_state = None  # the check may change it (even if it fails): no longer a known state
+            value = await _call_test(fn, sandbox)
+            if self.state is not None:  # None: the replay diverged, so the value belongs to no cached state
+                self.cache._record_test(self.graph, state, key, value)
         except BaseException as error:
             self.cache._resolve_test(self.graph, state, key, _for_waiters(error))
             raise
@@ -197,15 +205,18 @@ class Session:
         """Execute a missed call we claimed, record it, publish it to waiting sessions, maybe snapshot."""
         try:
             sandbox = await self._ensure_sandbox(state)
+            if self.state is None:  # the replay diverged: this rollout now runs uncached
+                self.cache._resolve(self.graph, state, call, None, None)
+                return await self._execute_uncached(call, spec, started)
             outcome, spent = await self._execute(sandbox, call)
+            read_only = _left_state_unchanged(spec, outcome)
+            if not outcome.deterministic:
+                self.cache._resolve(self.graph, state, call, None, None)
+                return self._uncached_result(call, outcome, read_only, started)
+            node = self.cache._record(self.graph, state, call, outcome, spent, read_only)
         except BaseException as error:
             self.cache._resolve(self.graph, state, call, None, _for_waiters(error))
             raise
-        read_only = spec.read_only or outcome.changed_state is False
-        if not outcome.deterministic:
-            self.cache._resolve(self.graph, state, call, None, None)
-            return self._uncached_result(call, outcome, read_only, started)
-        node = self.cache._record(self.graph, state, call, outcome, spent, read_only)
         self.cache._resolve(self.graph, state, call, node, None)
         if node.output != outcome.output or node.is_error != outcome.is_error:
             # Someone recorded this call in this state earlier with another result: the tool is not deterministic.
@@ -232,8 +243,7 @@ class Session:
     async def _execute_uncached(self, call: ToolCall, spec: ToolSpec, started: float) -> ToolResult:
         sandbox = await self._ensure_sandbox(self.state) if self.state is not None else self._live()
         outcome, _ = await self._execute(sandbox, call)
-        read_only = spec.read_only or outcome.changed_state is False
-        return self._uncached_result(call, outcome, read_only, started)
+        return self._uncached_result(call, outcome, _left_state_unchanged(spec, outcome), started)
 
     def _uncached_result(self, call: ToolCall, outcome: Outcome, read_only: bool, started: float) -> ToolResult:
         if not read_only and self.state is not None:
@@ -258,12 +268,18 @@ class Session:
         began = time.perf_counter()
         try:
             outcome = await sandbox.execute(call)
+        except InvalidInput:
+            raise  # refused before anything ran: the sandbox is as it was
         except SandboxError:
             await self._stop_sandbox()
             raise
         except Exception as error:
             await self._stop_sandbox()
             raise SandboxError(f"task {self.task_id!r}: sandbox failed executing {call}: {error!r}") from error
+        except BaseException:
+            # Cancelled mid-call: whatever it did so far is in the sandbox, at no state of the graph.
+            self._sandbox_state = None
+            raise
         spent = time.perf_counter() - began
         self.cache._account(executed=spent)
         return outcome, spent
@@ -279,20 +295,29 @@ class Session:
     # ------------------------------------------------------- sandboxes
 
     async def _ensure_sandbox(self, target: Node) -> Sandbox:
-        """Return the live sandbox in state ``target``, creating or catching it up by the cheapest route."""
+        """Return the live sandbox in state ``target``, creating or catching it up by the cheapest route.
+
+        If replaying cached calls gives other results, the sandbox is not in ``target`` at all: the rollout then
+        leaves the cached paths (``self.state`` becomes None) and the caller runs the call uncached.
+        """
         if self._sandbox is not None and self._sandbox_state is target:
             return self._sandbox
         live, base = self._sandbox, self._sandbox_state
         if live is not None and base is not None and _is_ancestor(base, target):
             catch_up = self.graph.replay_seconds(target, since=base)
             if catch_up <= self._fresh_cost(target):
-                await self._replay(live, base, target, live=True)
+                await self._replay_live(live, base, target)
                 return live
         await self._stop_sandbox()
         sandbox, base = await self._fresh_sandbox(target)
         self._sandbox, self._sandbox_state = sandbox, base
-        await self._replay(sandbox, base, target, live=True)
+        await self._replay_live(sandbox, base, target)
         return sandbox
+
+    async def _replay_live(self, sandbox: Sandbox, base: Node, target: Node) -> None:
+        if not await self._replay(sandbox, base, target, live=True):
+            self.state = None
+            self._sandbox_state = None
 
     def _fresh_cost(self, target: Node) -> float:
         """Expected seconds to reach ``target`` in a new sandbox (fork the nearest snapshot, or start)."""
@@ -329,7 +354,7 @@ class Session:
         return sandbox
 
     async def _fork(self, lease: Lease) -> tuple[Sandbox, Node]:
-        """Fork the leased snapshot; if the snapshot turns out unusable, start fresh instead."""
+        """Fork the leased snapshot; if the snapshot turns out unusable, drop it and start fresh instead."""
         node = lease.node
         assert node.snapshot is not None
         began = time.perf_counter()
@@ -338,19 +363,22 @@ class Session:
         except Exception as error:
             warnings.warn(
                 f"task {self.task_id!r}: forking the snapshot of node {node.id} failed ({error!r}); "
-                "starting fresh and replaying instead",
+                "dropping it, starting fresh and replaying instead",
                 RuntimeWarning,
                 stacklevel=2,
             )
+            self.cache._release(lease)
+            self.cache._drop_snapshot(self.graph, node)
             return await self._start(), self.graph.root
         self._costs.observe("fork", time.perf_counter() - began)
         self.stats.sandboxes_forked += 1
         self.cache._count("sandboxes_forked")
         return sandbox, node
 
-    async def _replay(self, sandbox: Sandbox, base: Node, target: Node, *, live: bool) -> None:
+    async def _replay(self, sandbox: Sandbox, base: Node, target: Node, *, live: bool) -> bool:
         """Re-execute the stateful calls from ``base`` (exclusive) to ``target`` (inclusive), checking each
-        against its cached result: a difference proves the tool non-deterministic."""
+        against its cached result. Returns False at the first difference, which proves the tool
+        non-deterministic and leaves the sandbox in a state the graph does not describe."""
         path: list[Node] = []
         node: Node | None = target
         while node is not None and node is not base:
@@ -364,12 +392,18 @@ class Session:
                 if live:
                     await self._stop_sandbox()
                 raise ReplayError(step.call, self.task_id, error) from error
-            if outcome.output != step.output or outcome.is_error != step.is_error:
-                self.cache._report_divergence(self.task_id, step, outcome.output)
-            if live:
-                self._sandbox_state = step
+            except BaseException:
+                if live:
+                    self._sandbox_state = None
+                raise
             self.stats.calls_replayed += 1
             self.cache._count("calls_replayed")
+            if outcome.output != step.output or outcome.is_error != step.is_error:
+                self.cache._report_divergence(self.task_id, step, outcome.output)
+                return False
+            if live:
+                self._sandbox_state = step
+        return True
 
     async def _maybe_snapshot(self, sandbox: Sandbox, node: Node) -> None:
         if not self.cache._wants_snapshot(self.graph, node, self._costs):
@@ -386,6 +420,7 @@ class Session:
             )
             return
         self._costs.observe("snapshot", time.perf_counter() - began)
+        self.cache._remember_owner(snapshot, self.factory)
         self.cache._attach_snapshot(self.graph, node, snapshot)
 
     async def _stop_sandbox(self) -> None:
@@ -410,7 +445,8 @@ class Session:
             )
             return
         try:
-            await self._replay(sandbox, base, state, live=False)
+            if not await self._replay(sandbox, base, state, live=False):
+                return  # the replay itself disagreed with the cache: already reported
             outcome = await sandbox.execute(call)
         except Exception as error:
             warnings.warn(
@@ -429,6 +465,20 @@ class Session:
             fresh_output=outcome.output,
         )
         self.cache._report_audit(finding)
+
+
+def _left_state_unchanged(spec: ToolSpec, outcome: Outcome) -> bool:
+    """Read-only when proved so, or declared so and not contradicted by the backend (a tool mis-declared
+    read-only that visibly changed the state is treated as changing it)."""
+    if outcome.changed_state is True and spec.read_only:
+        warnings.warn(
+            f"tool {spec.name!r} is declared read-only but changed the sandbox's state; treating this call as "
+            "state-changing",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return spec.read_only or outcome.changed_state is False
 
 
 def _for_waiters(error: BaseException) -> Exception:

@@ -365,8 +365,9 @@ class RemoteCache(Cache):
             self._sync_snapshot(graph, node, snapshot.to_json())
         for old in data["evicted"]:
             evicted = Snapshot.from_json(old)
-            discard = self._discarders.get(evicted.kind)
-            if discard is not None and evicted.exists():  # only snapshots on this machine, of a backend we know
+            discard = self._discarder_for(evicted)
+            # Only snapshots on this machine, of a backend this client knows.
+            if evicted.kind in self._discarders and evicted.exists():
                 discard(evicted)
 
     def mark_nondeterministic(self, tool: str, reason: str) -> None:

@@ -20,6 +20,7 @@ Needs root (or overlay mounts in general); otherwise ``ShellSandbox.factory`` fa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -97,13 +98,23 @@ class ShellSandboxFactory:
         return self._tools
 
     async def start(self) -> ShellSandbox:
-        return await asyncio.to_thread(ShellSandbox, self, [])
-
-    # ShellSandbox(factory, layers) takes over one reference on each layer, already acquired by the caller.
+        return await self._build([])
 
     async def fork(self, snapshot: Snapshot) -> ShellSandbox:
         layers = self._layers_of(snapshot)  # referenced now: an eviction meanwhile cannot delete them
-        return await asyncio.to_thread(ShellSandbox, self, layers)
+        return await self._build(layers)
+
+    async def _build(self, layers: list[Layer]) -> ShellSandbox:
+        """ShellSandbox(factory, layers) takes over one reference on each layer, already acquired here. If the
+        caller is cancelled meanwhile, the sandbox is still finished and then stopped: nothing leaks."""
+        work = asyncio.ensure_future(asyncio.to_thread(ShellSandbox, self, layers))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                sandbox = await work
+                await asyncio.to_thread(sandbox._teardown)
+            raise
 
     def discard(self, snapshot: Snapshot) -> None:
         layers = self.store.lookup(list(snapshot.meta.get("layers", [])))
@@ -258,7 +269,14 @@ class ShellSandbox:
             self._require_open()
             if dest.exists():
                 raise SandboxError(f"snapshot destination {dest} already exists; pass a path that does not exist")
-            stack, new_bytes = await asyncio.to_thread(self._freeze)
+            # Shielded: a cancelled caller must not release the lock while the freeze still runs in its thread.
+            freezing = asyncio.ensure_future(asyncio.to_thread(self._freeze))
+            try:
+                stack, new_bytes = await asyncio.shield(freezing)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await freezing
+                raise
             self._store.acquire(stack)  # the snapshot's own references
             layers = [str(layer.path) for layer in stack]
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -286,15 +304,26 @@ class ShellSandbox:
 
     def _squash(self) -> None:
         """Replace the whole stack (and the base) by one layer holding the merged tree: a full copy, paid
-        once every ``max_layers`` snapshots so that lookups and mounts stay fast."""
+        once every ``max_layers`` snapshots so that lookups and mounts stay fast. ``cp -a`` keeps owners, modes,
+        hard links, special files and extended attributes. If the copy fails, the deep stack stays as it is."""
         merged = _linux.mount_overlay(self._lowers(), str(self._upper), str(self._work))
         target = self._store.new_layer_path()
         target = target.with_name(target.name + "-squashed")
         try:
-            # The detached mount's root is reachable through its descriptor: nothing is ever attached.
-            shutil.copytree(f"/proc/self/fd/{merged}", target, symlinks=True)
+            # The detached mount's root is reachable through its descriptor (from a child too, via our pid):
+            # nothing is ever attached.
+            source = f"/proc/{os.getpid()}/fd/{merged}/."
+            result = subprocess.run(["cp", "-a", source, str(target)], capture_output=True, text=True, check=False)
         finally:
             os.close(merged)
+        if result.returncode != 0:
+            shutil.rmtree(target, ignore_errors=True)
+            warnings.warn(
+                f"squashing {len(self._stack)} layers failed ({result.stderr.strip()[:200]}); keeping the deep stack",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
         squashed = self._store.adopt(target)
         self._store.acquire([squashed])
         self._store.release(self._stack)

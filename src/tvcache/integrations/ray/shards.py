@@ -389,8 +389,8 @@ class RayShardClient(RemoteCache):
             self._sync_snapshot(graph, node, snapshot.to_json())
         for old in data["evicted"]:
             evicted = Snapshot.from_json(old)
-            discard = self._discarders.get(evicted.kind)
-            if discard is not None and (PUBLISHED in evicted.meta or evicted.exists()):
+            discard = self._discarder_for(evicted)
+            if evicted.kind in self._discarders and (PUBLISHED in evicted.meta or evicted.exists()):
                 discard(evicted)
 
     def shard_info(self) -> dict[str, Any]:
