@@ -309,3 +309,17 @@ def test_the_ray_command_starts_reports_and_stops_detached_shards(
     assert main(["ray", "down", "--namespace", namespace]) == 0
     assert find_shards(namespace) == []
     assert main(["ray", "up", "--namespace", namespace]) == 2  # no --data-dir: refused with what to do
+
+
+def test_one_setting_picks_the_ray_shards_and_none_finds_them_inside_the_cluster(deployment: Deployment) -> None:
+    from tvcache import Cache, InvalidInput
+    from tvcache.integrations import open_cache
+
+    for where in (None, "ray://", f"ray://{deployment.namespace}"):
+        cache = open_cache(where)
+        assert isinstance(cache, RayCache), where
+        assert cache.namespace == deployment.namespace
+        cache.close()
+    with pytest.raises(InvalidInput, match="no tvcache shard actors"):
+        open_cache("ray://no-such-namespace")
+    assert isinstance(open_cache(str(deployment.work / "embedded")), Cache)  # a directory stays embedded

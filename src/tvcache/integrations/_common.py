@@ -7,6 +7,7 @@ import asyncio
 import importlib
 import math
 import os
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -40,14 +41,21 @@ class CacheLike(Protocol):
 
 
 CacheLocation = CacheLike | str | os.PathLike[str] | Sequence[str] | None
-"""The one setting that picks a deployment: None (in memory), a directory (durable, embedded), an
-``http(s)://`` URL (``tvcache serve``), a list of URLs (sharded servers), or an already open cache."""
+"""The one setting that picks a deployment: None (in memory — or, inside a Ray cluster running tvcache shard
+actors in the driver's namespace, those shards), a directory (durable, embedded), an ``http(s)://`` URL
+(``tvcache serve``), a list of URLs (sharded servers), ``ray://[namespace]`` (Ray shard actors), or an already
+open cache."""
 
 
 def open_cache(where: CacheLocation, *, token: str | None = None, tools: Iterable[ToolSpec] = ()) -> CacheLike:
     """Open the cache ``where`` names (see ``CacheLocation``). An open cache is returned as it is."""
     if where is None:
-        return Cache(tools=tools)
+        # Inside a Ray cluster whose namespace runs tvcache shard actors (veRL and SkyRL run on Ray), use them.
+        return _ray_cluster_cache(None, tools) or Cache(tools=tools)
+    if isinstance(where, str) and where.startswith("ray://"):
+        cache = _ray_cluster_cache(where.removeprefix("ray://") or None, tools, required=True)
+        assert cache is not None
+        return cache
     if isinstance(where, str) and where.startswith(("http://", "https://")):
         return _remote([where], token=token, tools=tools)
     if isinstance(where, str | os.PathLike):
@@ -61,6 +69,28 @@ def open_cache(where: CacheLocation, *, token: str | None = None, tools: Iterabl
             )
         return _remote(urls, token=token, tools=tools)
     return where  # an open cache
+
+
+def _ray_cluster_cache(namespace: str | None, tools: Iterable[ToolSpec], *, required: bool = False) -> CacheLike | None:
+    """A RayCache over the shard actors of ``namespace`` (default: the driver's current namespace), or None when
+    Ray is not running here or no shards run there (an error instead when ``required``)."""
+    ray = sys.modules.get("ray")  # never import Ray just to look: it is already there when the trainer uses it
+    if not required and (ray is None or not ray.is_initialized()):
+        return None
+    from .ray import RayCache, find_shards
+
+    if ray is None:
+        import ray
+    if not ray.is_initialized():
+        raise InvalidInput("cache location ray://... needs a running Ray cluster: call ray.init() first")
+    namespace = namespace or ray.get_runtime_context().namespace
+    if not find_shards(namespace):
+        if required:
+            raise InvalidInput(
+                f"no tvcache shard actors in Ray namespace {namespace!r}: start them with `tvcache ray up`"
+            )
+        return None
+    return RayCache(namespace=namespace, tools=tools)
 
 
 def _remote(urls: list[str], *, token: str | None, tools: Iterable[ToolSpec]) -> CacheLike:
