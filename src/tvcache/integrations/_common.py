@@ -79,8 +79,7 @@ def _ray_cluster_cache(namespace: str | None, tools: Iterable[ToolSpec], *, requ
         return None
     from .ray import RayCache, find_shards
 
-    if ray is None:
-        import ray
+    ray = sys.modules["ray"]  # imported by .ray if it was not yet
     if not ray.is_initialized():
         raise InvalidInput("cache location ray://... needs a running Ray cluster: call ray.init() first")
     namespace = namespace or ray.get_runtime_context().namespace
