@@ -25,6 +25,10 @@ def _bench(args: argparse.Namespace) -> int:
         rates = [int(rate) for rate in args.rates.split(",")]
         return server.run(rates=rates, duration=args.duration, keys=args.keys, shards=args.shards, json_path=args.json)
     if args.name == "ray":
+        import os
+
+        # The benchmark starts its own one-machine Ray cluster: keep it on loopback (Ray reads this on import).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         try:
             from .integrations.ray import bench as ray_bench
         except ImportError as error:

@@ -22,6 +22,9 @@ from typing import Any
 
 import pytest
 
+# Every Ray process of these tests on loopback: without this, Ray advertises the machine's interface address.
+# (Set before Ray is first imported: it reads it once.)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 pytest.importorskip("ray", reason="the 'ray' extra is not installed: pip install 'tvcache[ray]'")
 
 import ray  # noqa: E402
@@ -57,6 +60,7 @@ class Deployment:
     node_b: str
     database: Path
     template: Path
+    cluster: Any
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +93,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             node_b=worker.node_id,
             database=database,
             template=template,
+            cluster=cluster,
         )
     finally:
         ray.shutdown()
@@ -323,3 +328,39 @@ def test_one_setting_picks_the_ray_shards_and_none_finds_them_inside_the_cluster
     with pytest.raises(InvalidInput, match="no tvcache shard actors"):
         open_cache("ray://no-such-namespace")
     assert isinstance(open_cache(str(deployment.work / "embedded")), Cache)  # a directory stays embedded
+
+
+def test_removing_a_node_under_load_loses_no_acknowledged_insert(deployment: Deployment) -> None:
+    """Last in this module: it removes node B for good. A shard placed on node B (soft affinity) is restarted on
+    node A from its journal while a load on node A keeps inserting."""
+    d = deployment
+    namespace = f"{d.namespace}-node-loss"
+    placement = NodeAffinitySchedulingStrategy(node_id=d.node_b, soft=True)
+    (name,) = start_shards(
+        1, data_dir=d.work / "node-loss", namespace=namespace, detached=False, scheduling_strategy=placement
+    )
+    shard = ray.get_actor(name, namespace=namespace)
+    assert ray.get(shard.info.remote(), timeout=60)["node_id"] == d.node_b
+    load = (
+        ray.remote(_load)
+        .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=d.node_a, soft=False))
+        .remote(namespace, str(d.database), 6, 40)
+    )
+    with RayCache(namespace=namespace) as cache:
+        stats = cache.shards[name].server_stats
+        deadline = time.monotonic() + 60
+        while stats()["inserts"] < 10:  # under load: the shard on node B has acknowledged inserts
+            assert time.monotonic() < deadline, "the load never reached the shard on node B"
+            ready, _ = ray.wait([load], timeout=0.01)
+            assert not ready, "the load finished before the node was removed; make it longer"
+    worker = next(node for node in d.cluster.worker_nodes if node.node_id == d.node_b)
+    d.cluster.remove_node(worker)
+    acknowledged = ray.get(load, timeout=300)  # the run continued while the shard moved to node A
+    assert sum(len(queries) for _, queries, _ in acknowledged) == 6 * 40
+    assert ray.get(shard.info.remote(), timeout=120)["node_id"] == d.node_a
+    with RayCache(namespace=namespace) as cache:
+        for task_id, queries, outputs in acknowledged:
+            history = [{"name": "sql", "arguments": {"query": query}} for query in queries]
+            match = cache.shard(task_id)._request("POST", "/v1/lookup", {"task_id": task_id, "history": history})
+            assert match["hit"], f"{task_id}: acknowledged inserts were lost with node B"
+            assert match["node"]["output"] == outputs[-1]

@@ -268,9 +268,11 @@ def start_shards(
     lease_ttl: float = 600.0,
     budget: Budget | None = None,
     timeout: float = 60.0,
+    scheduling_strategy: Any = "SPREAD",
 ) -> list[str]:
     """Start ``shards`` named shard actors (spread over the cluster's nodes), or find the ones already running
-    under the same names; return their names once every one answers.
+    under the same names; return their names once every one answers. ``scheduling_strategy`` overrides SPREAD
+    (e.g. a soft ``NodeAffinitySchedulingStrategy``: a restart after that node dies may go elsewhere).
 
     ``data_dir``: each shard journals to ``data_dir/shard-<i>``; it must be reachable from every node the actor
     may be restarted on (a shared filesystem), and None keeps everything in memory (lost on a restart).
@@ -296,7 +298,7 @@ def start_shards(
             "max_task_retries": -1,
             "max_concurrency": 1000,
             "num_cpus": 0,
-            "scheduling_strategy": "SPREAD",
+            "scheduling_strategy": scheduling_strategy,
         }
         if detached:
             options["lifetime"] = "detached"
