@@ -8,14 +8,16 @@ only the tasks the new shard now wins: about 1/N of them, all to the new shard.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Generic, Self, TypeVar
 
 from ..calls import ToolSpec, stable_digest
 from ..protocol import SandboxFactory
 from ..session import Session, SyncSession
 from .remote import RemoteCache
 
-__all__ = ["ShardedCache", "rendezvous"]
+__all__ = ["ShardRouter", "ShardedCache", "rendezvous"]
+
+ShardT = TypeVar("ShardT", bound=RemoteCache)
 
 
 def rendezvous(key: str, shards: Sequence[str]) -> str:
@@ -26,21 +28,11 @@ def rendezvous(key: str, shards: Sequence[str]) -> str:
     return max(shards, key=lambda shard: stable_digest(shard.encode() + b"\x00" + encoded))
 
 
-class ShardedCache:
-    """Sessions routed to one ``RemoteCache`` per shard URL by the task id. Same session API as ``Cache``."""
+class ShardRouter(Generic[ShardT]):
+    """Sessions routed by task id to one client cache per shard (``shards``: name -> client), with the rendezvous
+    hash. ``ShardedCache`` (HTTP servers) and ``tvcache.integrations.ray.RayCache`` (Ray actors) build on it."""
 
-    def __init__(
-        self, urls: Iterable[str], *, token: str | None = None, tools: Iterable[ToolSpec] = (), **options: Any
-    ) -> None:
-        names = [url.rstrip("/") for url in urls]
-        if not names:
-            raise ValueError("ShardedCache needs at least one server URL")
-        if len(set(names)) != len(names):
-            raise ValueError("ShardedCache got the same server URL twice")
-        specs = list(tools)
-        self.shards: dict[str, RemoteCache] = {
-            name: RemoteCache(name, token=token, tools=specs, **options) for name in names
-        }
+    shards: dict[str, ShardT]
 
     @property
     def epoch(self) -> int | None:
@@ -52,7 +44,7 @@ class ShardedCache:
         for cache in self.shards.values():
             cache.epoch = epoch
 
-    def shard(self, task_id: str) -> RemoteCache:
+    def shard(self, task_id: str) -> ShardT:
         return self.shards[rendezvous(task_id, list(self.shards))]
 
     def session(self, task_id: str, *, sandbox: SandboxFactory) -> Session:
@@ -62,14 +54,30 @@ class ShardedCache:
         return self.shard(task_id).session_sync(task_id, sandbox=sandbox)
 
     def server_stats(self) -> dict[str, dict[str, Any]]:
+        """Each shard's counters, as ``GET /v1/stats`` of a server."""
         return {name: cache.server_stats() for name, cache in self.shards.items()}
 
     def close(self) -> None:
         for cache in self.shards.values():
             cache.close()
 
-    def __enter__(self) -> ShardedCache:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class ShardedCache(ShardRouter[RemoteCache]):
+    """Sessions routed to one ``RemoteCache`` per shard URL by the task id. Same session API as ``Cache``."""
+
+    def __init__(
+        self, urls: Iterable[str], *, token: str | None = None, tools: Iterable[ToolSpec] = (), **options: Any
+    ) -> None:
+        names = [url.rstrip("/") for url in urls]
+        if not names:
+            raise ValueError("ShardedCache needs at least one server URL")
+        if len(set(names)) != len(names):
+            raise ValueError("ShardedCache got the same server URL twice")
+        specs = list(tools)
+        self.shards = {name: RemoteCache(name, token=token, tools=specs, **options) for name in names}

@@ -35,16 +35,15 @@ from ray.exceptions import RayError
 
 from ...calls import ToolSpec
 from ...client.remote import RemoteCache, ServerError
-from ...client.sharding import rendezvous
+from ...client.sharding import ShardRouter
 from ...errors import InvalidInput, JournalError, TVCacheError
 from ...graph import Node, ToolCallGraph
 from ...policies import Budget
-from ...protocol import SandboxFactory, Snapshot
+from ...protocol import Snapshot
 from ...server import models as m
 from ...server.app import Server, ServerSettings
 from ...server.metrics import Histogram, render
 from ...server.service import CacheService, NotFound
-from ...session import Session, SyncSession
 from .snapshots import PUBLISHED
 
 __all__ = [
@@ -403,7 +402,7 @@ class RayShardClient(RemoteCache):
         return f"<RayShardClient {self.name} tasks={len(self._graphs)}>"
 
 
-class RayCache:
+class RayCache(ShardRouter[RayShardClient]):
     """Sessions routed to the shard actors of ``namespace`` by the task id, with the same rendezvous hash as
     ``ShardedCache``. The same session API as ``Cache``::
 
@@ -443,42 +442,10 @@ class RayCache:
                 raise InvalidInput(f"no shard actor {name!r} in Ray namespace {namespace!r}: {error}") from error
             self.shards[name] = RayShardClient(actor, name, namespace=namespace, tools=specs, **options)
 
-    @property
-    def epoch(self) -> int | None:
-        return next(iter(self.shards.values())).epoch
-
-    @epoch.setter
-    def epoch(self, epoch: int | None) -> None:
-        for cache in self.shards.values():
-            cache.epoch = epoch
-
-    def shard(self, task_id: str) -> RayShardClient:
-        return self.shards[rendezvous(task_id, list(self.shards))]
-
-    def session(self, task_id: str, *, sandbox: SandboxFactory) -> Session:
-        return self.shard(task_id).session(task_id, sandbox=sandbox)
-
-    def session_sync(self, task_id: str, *, sandbox: SandboxFactory) -> SyncSession:
-        return self.shard(task_id).session_sync(task_id, sandbox=sandbox)
-
-    def server_stats(self) -> dict[str, dict[str, Any]]:
-        """Each shard's counters, as ``GET /v1/stats`` of a server."""
-        return {name: cache.server_stats() for name, cache in self.shards.items()}
-
     def metrics(self) -> dict[str, str]:
         """Each shard's Prometheus text, as ``GET /metrics`` of a server."""
         refs = {name: cache.actor.metrics.remote() for name, cache in self.shards.items()}
         return {name: str(ray.get(ref)) for name, ref in refs.items()}
-
-    def close(self) -> None:
-        for cache in self.shards.values():
-            cache.close()
-
-    def __enter__(self) -> RayCache:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<RayCache {self.namespace} shards={len(self.shards)}>"
