@@ -366,9 +366,12 @@ class RemoteCache(Cache):
         for old in data["evicted"]:
             evicted = Snapshot.from_json(old)
             discard = self._discarder_for(evicted)
-            # Only snapshots on this machine, of a backend this client knows.
-            if evicted.kind in self._discarders and evicted.exists():
+            if evicted.kind in self._discarders and self._frees_here(evicted):
                 discard(evicted)
+
+    def _frees_here(self, snapshot: Snapshot) -> bool:
+        """Whether this client frees an evicted snapshot: only one on this machine (a backend it knows)."""
+        return snapshot.exists()
 
     def mark_nondeterministic(self, tool: str, reason: str) -> None:
         self._request("POST", "/v1/tools/nondeterministic", {"tool": tool, "reason": reason[:10_000]})

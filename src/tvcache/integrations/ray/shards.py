@@ -37,7 +37,6 @@ from ...calls import ToolSpec
 from ...client.remote import RemoteCache, ServerError
 from ...client.sharding import ShardRouter
 from ...errors import InvalidInput, JournalError, TVCacheError
-from ...graph import Node, ToolCallGraph
 from ...policies import Budget
 from ...protocol import Snapshot
 from ...server import models as m
@@ -380,19 +379,10 @@ class RayShardClient(RemoteCache):
             raise ServerError(status, message)
         return payload
 
-    def _attach_snapshot(self, graph: ToolCallGraph, node: Node, snapshot: Snapshot) -> None:
-        """As ``RemoteCache``'s, but evicted *published* snapshots are released wherever they were made: their
-        data lives in a shared store, not (only) in a file on this machine."""
-        body = {"task_id": graph.task_id, "node_id": node.id, "snapshot": snapshot.to_json()}
-        data = self._request("POST", "/v1/snapshots/attach", body)
-        if data["attached"]:
-            self._count("snapshots_taken")
-            self._sync_snapshot(graph, node, snapshot.to_json())
-        for old in data["evicted"]:
-            evicted = Snapshot.from_json(old)
-            discard = self._discarder_for(evicted)
-            if evicted.kind in self._discarders and (PUBLISHED in evicted.meta or evicted.exists()):
-                discard(evicted)
+    def _frees_here(self, snapshot: Snapshot) -> bool:
+        """Evicted *published* snapshots are released wherever they were made: their data lives in a shared
+        store, not (only) in a file on this machine."""
+        return PUBLISHED in snapshot.meta or super()._frees_here(snapshot)
 
     def shard_info(self) -> dict[str, Any]:
         info: dict[str, Any] = ray.get(self.actor.info.remote(), timeout=self._timeout)
