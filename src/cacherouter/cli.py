@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import CacheRouterError
+from .mainview import MainView
 from .registry import build_registry, script_schema
 
 
@@ -96,6 +97,59 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve_mcp(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from .gateway import Gateway, GatewayConfig
+    from .mcp_server import serve_stdio  # needs the 'mcp' extra; the import says so when it is missing
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)  # stdout carries the protocol
+    config = GatewayConfig(
+        root=Path(args.repo),
+        allow_reflection=args.allow_reflection,
+        tool_timeout=args.tool_timeout,
+        poll_interval=args.poll_interval,
+    )
+    gateway = Gateway(config)
+    if gateway.last_error is not None:
+        raise CacheRouterError(gateway.last_error)
+    for problem in gateway.registry.problems:
+        print(f"skipped {problem.path}: {problem.message}", file=sys.stderr)
+    asyncio.run(serve_stdio(gateway))
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from .chat import build_chat, run_chat
+    from .gateway import Gateway, GatewayConfig
+    from .session import Session
+
+    repo = Path(args.repo) if args.repo else _default_repo()
+    sessions_dir = Path(args.sessions_dir) if args.sessions_dir else None
+    gateway = Gateway(GatewayConfig(root=repo, poll_interval=args.poll_interval))
+    if gateway.last_error is not None:
+        raise CacheRouterError(gateway.last_error)
+    gateway.start()  # hot reload while chatting; the main view stays as it was at the start of the session
+    try:
+        setup = build_chat(gateway, packages=tuple(args.packages), scripted=args.scripted, sessions_dir=sessions_dir)
+        if args.session:
+            if sessions_dir is None:
+                raise CacheRouterError("--session needs --sessions-dir, where sessions are kept")
+            session = Session.load(sessions_dir, args.session)
+        else:
+            session = setup.agent.new_session(MainView.from_registry(gateway.registry, tuple(args.packages)))
+        return run_chat(setup, session, sys.stdin, sys.stdout)
+    finally:
+        gateway.close()
+
+
+def _default_repo() -> Path:
+    from .evaluation.runner import EVAL_REPO
+
+    return EVAL_REPO
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cacherouter", description="Cache-preserving dual-path tool routing.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,9 +169,37 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true", help="print JSON")
     listing.add_argument("--allow-reflection", action="store_true", help="allow reflection fallback")
     listing.set_defaults(func=_cmd_list)
-    evaluate = sub.add_parser("eval", help="run the scripted 55-query suite and 30-turn dialogue, three ways")
+    serve = sub.add_parser("serve-mcp", help="serve a tool repository over MCP (stdio), hot-reloading it")
+    serve.add_argument("--repo", required=True, help="repository root (package/skill/script)")
+    serve.add_argument("--poll-interval", type=float, default=1.0, help="seconds between repository polls")
+    serve.add_argument("--tool-timeout", type=float, default=60.0, help="seconds before a tool run is killed")
+    serve.add_argument("--allow-reflection", action="store_true", help="allow reflection fallback")
+    serve.set_defaults(func=_cmd_serve_mcp)
+    chat = sub.add_parser(
+        "chat",
+        help="talk to the agent in the terminal (models from CACHEROUTER_MAIN_*/CACHEROUTER_ROUTER_*, or --scripted)",
+    )
+    chat.add_argument("--repo", help="tool repository (default: the bundled evaluation repository)")
+    chat.add_argument(
+        "--packages", nargs="+", default=["base", "geography", "internet"], help="core packages of the main view"
+    )
+    chat.add_argument(
+        "--scripted", action="store_true", help="rule-based stand-in models and an offline cache model (no network)"
+    )
+    chat.add_argument("--sessions-dir", help="persist sessions here (resume one with --session ID)")
+    chat.add_argument("--session", help="resume this session id from --sessions-dir")
+    chat.add_argument("--poll-interval", type=float, default=1.0, help="seconds between repository polls")
+    chat.set_defaults(func=_cmd_chat)
+    evaluate = sub.add_parser(
+        "eval", help="run the scripted 55-query suite, 30-turn dialogue and 40-query long-tail workload, three ways"
+    )
     evaluate.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    evaluate.add_argument("--workloads", nargs="+", choices=["suite", "dialogue"], default=["suite", "dialogue"])
+    evaluate.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=["suite", "dialogue", "longtail"],
+        default=["suite", "dialogue", "longtail"],
+    )
     evaluate.add_argument("--architectures", nargs="+", choices=["cacherouter", "all-tools", "dynamic"])
     evaluate.set_defaults(func=_cmd_eval)
     return parser

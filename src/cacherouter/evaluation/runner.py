@@ -33,6 +33,7 @@ from ..relevance import BM25
 from ..router import Router, RouterConfig
 from ..session import Session
 from ..tokens import Tokenizer, default_tokenizer
+from .longtail import LONGTAIL, generate_repository
 from .suite import CORE_PACKAGES, DIALOGUE, SUITE, Query
 
 ARCHITECTURES = ("cacherouter", "all-tools", "dynamic")
@@ -268,16 +269,25 @@ def run_workload(
     )
 
 
-WORKLOADS: dict[str, tuple[Query, ...]] = {"suite": SUITE, "dialogue": DIALOGUE}
+WORKLOADS: dict[str, tuple[Query, ...]] = {"suite": SUITE, "dialogue": DIALOGUE, "longtail": LONGTAIL}
 
 
 def run_all(
     *,
     architectures: Sequence[str] = ARCHITECTURES,
-    workloads: Sequence[str] = ("suite", "dialogue"),
+    workloads: Sequence[str] = ("suite", "dialogue", "longtail"),
     tokenizer: Tokenizer | None = None,
 ) -> list[RunResult]:
-    return [run_workload(a, w, WORKLOADS[w], tokenizer=tokenizer) for w in workloads for a in architectures]
+    results: list[RunResult] = []
+    with tempfile.TemporaryDirectory(prefix="cacherouter-longtail-") as tmp:
+        for workload in workloads:
+            repo = EVAL_REPO
+            if workload == "longtail":  # the base repository plus 200 generated tools in 25 packages
+                repo = generate_repository(EVAL_REPO, Path(tmp) / "repo")
+            results += [
+                run_workload(a, workload, WORKLOADS[workload], tokenizer=tokenizer, repo=repo) for a in architectures
+            ]
+    return results
 
 
 def results_json(results: Sequence[RunResult], tokenizer_name: str) -> dict[str, Any]:

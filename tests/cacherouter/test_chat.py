@@ -1,0 +1,110 @@
+"""``cacherouter chat --scripted``: the terminal loop, labelled as scripted, with per-request cache figures."""
+
+import io
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import make_repo
+
+from cacherouter.chat import SCRIPTED_LABEL, build_chat, run_chat
+from cacherouter.gateway import Gateway, GatewayConfig
+from cacherouter.mainview import MainView
+
+
+def chat(*args: str, stdin: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cacherouter.cli", "chat", "--scripted", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return proc.stdout
+
+
+def test_scripted_chat_routes_reports_cache_and_resumes(tmp_path: Path) -> None:
+    root = make_repo(tmp_path / "repo")
+    sessions = tmp_path / "sessions"
+    common = ("--repo", str(root), "--packages", "base", "--sessions-dir", str(sessions))
+    out = chat(*common, stdin="Weather report for a city text=Paris\n/quit\n")
+    assert SCRIPTED_LABEL in out
+    assert "router -> city_weather" in out  # a tool outside the core view, reached through the router
+    assert "city_weather:Paris" in out
+    assert "SCRIPTED router" in out
+    assert "cache hit" in out
+    session_id = out.split("session ", 1)[1].split(";", 1)[0]
+    assert (sessions / f"{session_id}.json").is_file()
+
+    again = chat(*common, "--session", session_id, stdin="Stock price for a ticker symbol text=ACME\n")
+    assert f"session {session_id}" in again
+    assert "stock_price:ACME" in again
+    # a fresh process starts with an empty (offline, simulated) cache: its first request claims no hit
+    triage = next(line for line in again.splitlines() if "SCRIPTED triage" in line)
+    assert "cache hit 0 tok" in triage
+    turns = json.loads((sessions / f"{session_id}.json").read_text())["turns"]
+    assert [t["path"] for t in turns] == ["tools", "tools"]
+
+
+class _Provider(BaseHTTPRequestHandler):
+    """A local OpenAI-compatible endpoint with DeepSeek usage fields; it plays main and router models."""
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        names = [t["function"]["name"] for t in body.get("tools", [])]
+        last = body["messages"][-1]
+        message: dict[str, Any] = {"role": "assistant", "content": ""}
+        if body.get("tool_choice") == "none":
+            message["content"] = "Needs a tool. [STATUS: NEED_TOOLS]"
+        elif last["role"] == "tool":
+            message["content"] = "Final: " + last["content"]
+        else:
+            name, arguments = ("INTERNAL_ROUTER", {"task": last["content"]})
+            if "INTERNAL_ROUTER" not in names:  # the router channel: its own, filtered tool list
+                name, arguments = "stock_price", {"text": "ACME"}
+            message["tool_calls"] = [
+                {"id": "c1", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+            ]
+        usage = {"prompt_tokens": 100, "prompt_cache_hit_tokens": 60, "prompt_cache_miss_tokens": 40}
+        data = json.dumps({"model": body["model"], "choices": [{"message": message}], "usage": usage}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_live_chat_reads_the_endpoint_from_env_and_reports_provider_usage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Provider)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("CACHEROUTER_MAIN_BASE_URL", f"http://127.0.0.1:{httpd.server_address[1]}/v1")
+        monkeypatch.setenv("CACHEROUTER_MAIN_MODEL", "local-test")
+        monkeypatch.setenv("CACHEROUTER_MAIN_PROVIDER", "deepseek")
+        root = make_repo(tmp_path / "repo")
+        with Gateway(GatewayConfig(root=root)) as gateway:
+            setup = build_chat(gateway, packages=("base",), scripted=False, sessions_dir=None)
+            session = setup.agent.new_session(MainView.from_registry(gateway.registry, ("base",)))
+            out = io.StringIO()
+            run_chat(setup, session, ["price of ACME please\n", "/quit\n"], out)
+    finally:
+        httpd.shutdown()
+        thread.join(timeout=10)
+    text = out.getvalue()
+    assert "SCRIPTED" not in text
+    assert "stock_price:ACME" in text
+    assert "router -> stock_price" in text
+    assert "provider-reported router   prompt 100 tok, cache hit 60 tok" in text
+    assert "token-level cache hit rate 60.00%" in text
