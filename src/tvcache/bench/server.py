@@ -21,13 +21,14 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from ..client.sharding import rendezvous
 from ..server.wire import WIRE_TOOL
+from .load import offer, percentile
 
 TASKS = 16
 MAX_CONNECTIONS = 512
@@ -134,45 +135,13 @@ class Pool:
 async def _offer(
     pools: list[Pool], requests: list[tuple[int, bytes]], rate: int, duration: float
 ) -> tuple[list[float], int, float]:
-    """Open-loop load; returns latencies (s, from due time), errors, and the span from t0 to the last answer."""
-    count = max(1, int(rate * duration))
-    latencies: list[float] = []
-    errors = 0
-    last = 0.0
-    tasks: set[asyncio.Task[None]] = set()
+    """Open-loop load of ``requests`` (cycled) at ``rate`` for ``duration`` seconds (see ``bench.load``)."""
 
-    async def one(index: int, due: float) -> None:
-        nonlocal errors, last
+    def send(index: int) -> Awaitable[bool]:
         shard, data = requests[index % len(requests)]
-        ok = await pools[shard].request(data)
-        done = time.perf_counter()
-        latencies.append(done - due)
-        last = max(last, done)
-        if not ok:
-            errors += 1
+        return pools[shard].request(data)
 
-    start = time.perf_counter() + 0.01
-    index = 0
-    while index < count:
-        now = time.perf_counter()
-        due = start + index / rate
-        if due > now:
-            await asyncio.sleep(due - now)
-            continue
-        while index < count and start + index / rate <= now:  # dispatch everything that is due
-            task = asyncio.create_task(one(index, start + index / rate))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            index += 1
-    while tasks:
-        await asyncio.gather(*list(tasks))
-    return latencies, errors, last - start
-
-
-def _percentile(sorted_values: list[float], fraction: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]
+    return await offer(send, max(1, int(rate * duration)), rate)
 
 
 async def _populate(pools: list[Pool], shards: list[str], keys: list[tuple[str, list[str]]]) -> None:
@@ -249,9 +218,9 @@ async def _bench(ports: list[int], rates: list[int], duration: float, keys: int,
                 sent=len(latencies),
                 errors=errors,
                 achieved=len(latencies) / span if span > 0 else 0.0,
-                p50_ms=1000 * _percentile(latencies, 0.50),
-                p95_ms=1000 * _percentile(latencies, 0.95),
-                p99_ms=1000 * _percentile(latencies, 0.99),
+                p50_ms=1000 * percentile(latencies, 0.50),
+                p95_ms=1000 * percentile(latencies, 0.95),
+                p99_ms=1000 * percentile(latencies, 0.99),
                 max_ms=1000 * latencies[-1],
             )
             results.append(result)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -22,6 +21,7 @@ from typing import Any
 
 import ray
 
+from ...bench.load import offer, percentile
 from ...bench.server import Pool, _free_port, _keys, _native_request, _populate, _start, _wait_healthy
 from ...client.sharding import rendezvous
 from ...server.wire import WIRE_TOOL
@@ -40,42 +40,6 @@ class Row:
     p50_ms: float
     p95_ms: float
     p99_ms: float
-
-
-async def _offer(send: Send, count_per_rate: int, rate: int) -> tuple[list[float], int, float]:
-    """Open-loop load of ``count_per_rate`` requests at ``rate``; latencies from due times, errors, span."""
-    latencies: list[float] = []
-    errors = 0
-    last = 0.0
-    tasks: set[asyncio.Task[None]] = set()
-
-    async def one(index: int, due: float) -> None:
-        nonlocal errors, last
-        ok = await send(index)
-        done = time.perf_counter()
-        latencies.append(done - due)
-        last = max(last, done)
-        errors += 0 if ok else 1
-
-    start = time.perf_counter() + 0.01
-    index = 0
-    while index < count_per_rate:
-        now = time.perf_counter()
-        if start + index / rate > now:
-            await asyncio.sleep(start + index / rate - now)
-            continue
-        while index < count_per_rate and start + index / rate <= now:
-            task = asyncio.create_task(one(index, start + index / rate))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            index += 1
-    while tasks:
-        await asyncio.gather(*list(tasks))
-    return latencies, errors, last - start
-
-
-def _percentile(values: list[float], fraction: float) -> float:
-    return values[min(len(values) - 1, int(fraction * len(values)))] if values else float("nan")
 
 
 def _lookup_body(task: str, history: list[str]) -> bytes:
@@ -108,13 +72,13 @@ async def _populate_ray(actors: list[Any], names: list[str], keys: list[tuple[st
 
 
 async def _measure(name: str, send: Send, rates: list[int], duration: float) -> list[Row]:
-    await _offer(send, 256, 256)  # warm up connections, workers and code paths
+    await offer(send, 256, 256)  # warm up connections, workers and code paths
     rows = []
     for rate in rates:
         gc.collect()
         gc.disable()  # the load generator's own collector pauses would count against the server
         try:
-            latencies, errors, span = await _offer(send, max(1, int(rate * duration)), rate)
+            latencies, errors, span = await offer(send, max(1, int(rate * duration)), rate)
         finally:
             gc.enable()
         latencies.sort()
@@ -124,9 +88,9 @@ async def _measure(name: str, send: Send, rates: list[int], duration: float) -> 
             sent=len(latencies),
             errors=errors,
             achieved=len(latencies) / span if span > 0 else 0.0,
-            p50_ms=1000 * _percentile(latencies, 0.50),
-            p95_ms=1000 * _percentile(latencies, 0.95),
-            p99_ms=1000 * _percentile(latencies, 0.99),
+            p50_ms=1000 * percentile(latencies, 0.50),
+            p95_ms=1000 * percentile(latencies, 0.95),
+            p99_ms=1000 * percentile(latencies, 0.99),
         )
         rows.append(row)
         print(
