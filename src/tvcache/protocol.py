@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from .calls import ToolCall, ToolSpec
 
-__all__ = ["Outcome", "Sandbox", "SandboxFactory", "Snapshot", "discard_snapshot_files"]
+__all__ = ["Outcome", "Sandbox", "SandboxFactory", "SandboxWrapper", "Snapshot", "discard_snapshot_files"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,6 +102,30 @@ class SandboxFactory(Protocol):
     def discard(self, snapshot: Snapshot) -> None:
         """Free a snapshot's storage; called once the cache evicts it."""
         ...
+
+
+class SandboxWrapper:
+    """A sandbox that forwards everything to ``inner`` — subclass it to add behaviour around one operation
+    (warm pools prepare forks after ``snapshot``; published snapshots upload it). Backend-specific extras
+    (a folder sandbox's ``folder``, a shell sandbox's ``layers``) stay reachable as attributes."""
+
+    def __init__(self, inner: Sandbox) -> None:
+        self.inner = inner
+
+    async def execute(self, call: ToolCall) -> Outcome:
+        return await self.inner.execute(call)
+
+    async def snapshot(self, dest: Path) -> Snapshot:
+        return await self.inner.snapshot(dest)
+
+    async def stop(self) -> None:
+        await self.inner.stop()
+
+    async def state_digest(self) -> str | None:
+        return await state_digest(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 async def state_digest(sandbox: Sandbox) -> str | None:

@@ -8,10 +8,12 @@ omission).
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-__all__ = ["offer", "percentile"]
+__all__ = ["LoadFigures", "measure", "offer", "percentile"]
 
 
 async def offer(send: Callable[[int], Awaitable[bool]], count: int, rate: int) -> tuple[list[float], int, float]:
@@ -53,3 +55,35 @@ def percentile(sorted_values: list[float], fraction: float) -> float:
     if not sorted_values:
         return float("nan")
     return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadFigures:
+    sent: int
+    errors: int
+    achieved: float  # requests per second actually answered
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    max_ms: float
+
+
+async def measure(send: Callable[[int], Awaitable[bool]], count: int, rate: int) -> LoadFigures:
+    """``offer`` with the generator's own garbage collector paused (its pauses would count against the server),
+    summarised."""
+    gc.collect()
+    gc.disable()
+    try:
+        latencies, errors, span = await offer(send, count, rate)
+    finally:
+        gc.enable()
+    latencies.sort()
+    return LoadFigures(
+        sent=len(latencies),
+        errors=errors,
+        achieved=len(latencies) / span if span > 0 else 0.0,
+        p50_ms=1000 * percentile(latencies, 0.50),
+        p95_ms=1000 * percentile(latencies, 0.95),
+        p99_ms=1000 * percentile(latencies, 0.99),
+        max_ms=1000 * latencies[-1] if latencies else float("nan"),
+    )

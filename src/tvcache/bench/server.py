@@ -13,7 +13,6 @@ and P50/P95/P99 per rate, and the ratios between the routes; nothing here is ass
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import random
 import socket
@@ -28,7 +27,7 @@ from typing import Any
 
 from ..client.sharding import rendezvous
 from ..server.wire import WIRE_TOOL
-from .load import offer, percentile
+from .load import measure, offer
 
 TASKS = 16
 MAX_CONNECTIONS = 512
@@ -132,16 +131,14 @@ class Pool:
         self.idle.clear()
 
 
-async def _offer(
-    pools: list[Pool], requests: list[tuple[int, bytes]], rate: int, duration: float
-) -> tuple[list[float], int, float]:
-    """Open-loop load of ``requests`` (cycled) at ``rate`` for ``duration`` seconds (see ``bench.load``)."""
+def _sender(pools: list[Pool], requests: list[tuple[int, bytes]]) -> Callable[[int], Awaitable[bool]]:
+    """Request ``index`` of the load: the requests cycled, each to its shard's connection pool."""
 
     def send(index: int) -> Awaitable[bool]:
         shard, data = requests[index % len(requests)]
         return pools[shard].request(data)
 
-    return await offer(send, max(1, int(rate * duration)), rate)
+    return send
 
 
 async def _populate(pools: list[Pool], shards: list[str], keys: list[tuple[str, list[str]]]) -> None:
@@ -203,30 +200,14 @@ async def _bench(ports: list[int], rates: list[int], duration: float, keys: int,
     results: list[RateResult] = []
     for route, build in (("GET /get", _wire_request), ("POST /v1/lookup", _native_request)):
         requests = [(shards.index(rendezvous(task, shards)), build(task, history)) for task, history in population]
-        await _offer(pools, requests[:256], 256, 0.5)  # warm up connections and code paths
+        await offer(_sender(pools, requests[:256]), 128, 256)  # warm up connections and code paths
         for rate in rates:
-            gc.collect()
-            gc.disable()  # the load generator's own collector pauses would count against the server
-            try:
-                latencies, errors, span = await _offer(pools, requests, rate, duration)
-            finally:
-                gc.enable()
-            latencies.sort()
-            result = RateResult(
-                route=route,
-                rate=rate,
-                sent=len(latencies),
-                errors=errors,
-                achieved=len(latencies) / span if span > 0 else 0.0,
-                p50_ms=1000 * percentile(latencies, 0.50),
-                p95_ms=1000 * percentile(latencies, 0.95),
-                p99_ms=1000 * percentile(latencies, 0.99),
-                max_ms=1000 * latencies[-1],
-            )
+            figures = await measure(_sender(pools, requests), max(1, int(rate * duration)), rate)
+            result = RateResult(route=route, rate=rate, **asdict(figures))
             results.append(result)
             print(
                 f"{route:<16} {rate:>6} req/s  achieved {result.achieved:>7.0f}  p50 {result.p50_ms:7.2f} ms  "
-                f"p95 {result.p95_ms:7.2f} ms  p99 {result.p99_ms:7.2f} ms  errors {errors}  "
+                f"p95 {result.p95_ms:7.2f} ms  p99 {result.p99_ms:7.2f} ms  errors {result.errors}  "
                 f"connections {sum(pool.opened for pool in pools)}",
                 flush=True,
             )

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..calls import ToolCall, ToolSpec
-from ..protocol import Outcome, Sandbox, SandboxFactory, Snapshot
+from ..calls import ToolSpec
+from ..protocol import Sandbox, SandboxFactory, SandboxWrapper, Snapshot
 
 __all__ = ["PoolStats", "WarmPool"]
 
@@ -44,33 +44,17 @@ class PoolStats:
         return ready / total if total else 0.0
 
 
-class _PooledSandbox:
+class _PooledSandbox(SandboxWrapper):
     """A sandbox served by the pool: snapshots it takes get forks prepared in the background."""
 
     def __init__(self, pool: WarmPool, inner: Sandbox) -> None:
+        super().__init__(inner)
         self._pool = pool
-        self.inner = inner
-
-    async def execute(self, call: ToolCall) -> Outcome:
-        return await self.inner.execute(call)
 
     async def snapshot(self, dest: Path) -> Snapshot:
         snapshot = await self.inner.snapshot(dest)
         self._pool._prepare_forks(snapshot)
         return snapshot
-
-    async def stop(self) -> None:
-        await self.inner.stop()
-
-    async def state_digest(self) -> str | None:
-        method = getattr(self.inner, "state_digest", None)
-        if method is None:
-            return None
-        digest: str | None = await method()
-        return digest
-
-    def __getattr__(self, name: str) -> Any:  # backend-specific extras (layers, folder, ...)
-        return getattr(self.inner, name)
 
 
 class WarmPool:

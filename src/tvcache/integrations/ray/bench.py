@@ -11,7 +11,6 @@ the Ray/HTTP ratios; nothing here is asserted.
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import uuid
 from collections.abc import Awaitable, Callable
@@ -21,7 +20,7 @@ from typing import Any
 
 import ray
 
-from ...bench.load import offer, percentile
+from ...bench.load import measure, offer
 from ...bench.server import Pool, _free_port, _keys, _native_request, _populate, _start, _wait_healthy
 from ...client.sharding import rendezvous
 from ...server.wire import WIRE_TOOL
@@ -75,27 +74,12 @@ async def _measure(name: str, send: Send, rates: list[int], duration: float) -> 
     await offer(send, 256, 256)  # warm up connections, workers and code paths
     rows = []
     for rate in rates:
-        gc.collect()
-        gc.disable()  # the load generator's own collector pauses would count against the server
-        try:
-            latencies, errors, span = await offer(send, max(1, int(rate * duration)), rate)
-        finally:
-            gc.enable()
-        latencies.sort()
-        row = Row(
-            deployment=name,
-            rate=rate,
-            sent=len(latencies),
-            errors=errors,
-            achieved=len(latencies) / span if span > 0 else 0.0,
-            p50_ms=1000 * percentile(latencies, 0.50),
-            p95_ms=1000 * percentile(latencies, 0.95),
-            p99_ms=1000 * percentile(latencies, 0.99),
-        )
+        figures = await measure(send, max(1, int(rate * duration)), rate)
+        row = Row(deployment=name, rate=rate, **{k: v for k, v in asdict(figures).items() if k != "max_ms"})
         rows.append(row)
         print(
             f"{name:<5} {rate:>6} lookups/s offered  achieved {row.achieved:>7.0f}  p50 {row.p50_ms:7.2f} ms  "
-            f"p95 {row.p95_ms:7.2f} ms  p99 {row.p99_ms:7.2f} ms  errors {errors}",
+            f"p95 {row.p95_ms:7.2f} ms  p99 {row.p99_ms:7.2f} ms  errors {row.errors}",
             flush=True,
         )
     return rows

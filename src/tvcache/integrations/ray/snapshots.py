@@ -39,9 +39,9 @@ from typing import Any, Protocol
 import ray
 from ray.exceptions import RayError
 
-from ...calls import ToolCall, ToolSpec
+from ...calls import ToolSpec
 from ...errors import SandboxError
-from ...protocol import Outcome, Sandbox, SandboxFactory, Snapshot
+from ...protocol import Sandbox, SandboxFactory, SandboxWrapper, Snapshot
 
 __all__ = [
     "PUBLISHED",
@@ -504,28 +504,12 @@ def _inner_meta(snapshot: Snapshot) -> dict[str, Any]:
     return {key: value for key, value in snapshot.meta.items() if key != PUBLISHED}
 
 
-class _PublishingSandbox:
+class _PublishingSandbox(SandboxWrapper):
     """A sandbox of the wrapped backend whose snapshots are published as they are made."""
 
     def __init__(self, sandbox: Sandbox, factory: PublishedSnapshots) -> None:
-        self.inner = sandbox
+        super().__init__(sandbox)
         self._factory = factory
-
-    async def execute(self, call: ToolCall) -> Outcome:
-        return await self.inner.execute(call)
 
     async def snapshot(self, dest: Path) -> Snapshot:
         return await self._factory.publish(await self.inner.snapshot(dest))
-
-    async def state_digest(self) -> str | None:
-        method = getattr(self.inner, "state_digest", None)
-        if method is None:
-            return None
-        digest: str | None = await method()
-        return digest
-
-    async def stop(self) -> None:
-        await self.inner.stop()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)  # backend extras tests use (a folder sandbox's ``folder``, ...)
