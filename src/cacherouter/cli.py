@@ -144,6 +144,37 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         gateway.close()
 
 
+def _cmd_web(args: argparse.Namespace) -> int:
+    from .chat import build_chat
+    from .gateway import Gateway, GatewayConfig
+    from .web import LOOPBACK_NAMES, WebChat, create_app
+
+    try:
+        import uvicorn
+    except ImportError as e:
+        raise CacheRouterError("the web UI needs starlette and uvicorn: pip install 'tvcache[server]'") from e
+
+    if args.host not in LOOPBACK_NAMES:
+        print(
+            f"warning: serving on {args.host}: the web UI has no login and runs tools for anyone who reaches it",
+            file=sys.stderr,
+        )
+    repo = Path(args.repo) if args.repo else _default_repo()
+    gateway = Gateway(GatewayConfig(root=repo, poll_interval=args.poll_interval))
+    if gateway.last_error is not None:
+        raise CacheRouterError(gateway.last_error)
+    gateway.start()
+    try:
+        packages = tuple(args.packages)
+        setup = build_chat(gateway, packages=packages, scripted=args.scripted, sessions_dir=None)
+        web = WebChat(setup, setup.agent.new_session(MainView.from_registry(gateway.registry, packages)))
+        print(f"cacherouter web ({web.label}) on http://{args.host}:{args.port}/", file=sys.stderr)
+        uvicorn.run(create_app(web, host=args.host), host=args.host, port=args.port, log_level="warning")
+    finally:
+        gateway.close()
+    return 0
+
+
 def _default_repo() -> Path:
     from .evaluation.runner import EVAL_REPO
 
@@ -190,6 +221,18 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--session", help="resume this session id from --sessions-dir")
     chat.add_argument("--poll-interval", type=float, default=1.0, help="seconds between repository polls")
     chat.set_defaults(func=_cmd_chat)
+    web = sub.add_parser("web", help="the chat in a browser: messages, tool and router calls, cache hits per request")
+    web.add_argument("--repo", help="tool repository (default: the bundled evaluation repository)")
+    web.add_argument(
+        "--packages", nargs="+", default=["base", "geography", "internet"], help="core packages of the main view"
+    )
+    web.add_argument(
+        "--scripted", action="store_true", help="rule-based stand-in models and an offline cache model (no network)"
+    )
+    web.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; the UI has no login)")
+    web.add_argument("--port", type=int, default=8765, help="port to listen on")
+    web.add_argument("--poll-interval", type=float, default=1.0, help="seconds between repository polls")
+    web.set_defaults(func=_cmd_web)
     evaluate = sub.add_parser(
         "eval", help="run the scripted 55-query suite, 30-turn dialogue and 40-query long-tail workload, three ways"
     )

@@ -1,0 +1,127 @@
+// The cacherouter web UI: plain JavaScript, no dependencies. Everything from the server is rendered as text
+// (textContent), never as HTML: tool results are arbitrary bytes from scripts.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (key === "class") node.className = value;
+    else node.setAttribute(key, value);
+  }
+  for (const child of children) node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  return node;
+}
+
+const tokens = (value) => (value === null || value === undefined ? "" : String(value));
+const pct = (num, den) => (num === null || num === undefined || !den ? "" : ((100 * num) / den).toFixed(1) + "%");
+
+function showError(message) {
+  $("error").textContent = message;
+  $("error").hidden = !message;
+}
+
+function renderCall(call) {
+  const classes = ["call"];
+  if (call.router) classes.push("router");
+  if (call.ok === false) classes.push("failed");
+  const head = el("div", {}, el("span", { class: "call-name" }, call.name));
+  if (call.router) head.append(" \u2192 ", el("span", { class: "call-routed" }, call.routed_to || "no tool"));
+  head.append(" ", el("span", { class: "meta call-status" }, call.ok === false ? "failed" : "ok"));
+  const args = typeof call.arguments === "string" ? call.arguments : JSON.stringify(call.arguments);
+  return el(
+    "div",
+    { class: classes.join(" "), "data-call": call.id },
+    head,
+    el("pre", { class: "call-args" }, args),
+    el("pre", { class: "call-result" }, call.result),
+  );
+}
+
+function renderTurn(turn) {
+  const item = el("li", { "data-turn": turn.index });
+  item.append(el("div", { class: "msg user" }, el("span", { class: "who" }, "you"), el("span", { class: "text" }, turn.query)));
+  for (const call of turn.calls) item.append(renderCall(call));
+  if (turn.error !== null) {
+    item.append(el("div", { class: "msg error" }, el("span", { class: "who" }, "error"), el("span", { class: "text" }, turn.error)));
+  } else {
+    item.append(el("div", { class: "msg agent" }, el("span", { class: "who" }, "agent"), el("span", { class: "text" }, turn.answer)));
+    const notes = [turn.path + " path", turn.calls.length + " call(s)", turn.requests.length + " model request(s)"];
+    if (turn.deep_thinking.length) notes.push("deep thinking: " + turn.deep_thinking.join("; "));
+    item.append(el("div", { class: "meta" }, notes.join(" \u00b7 ")));
+  }
+  return item;
+}
+
+function render(state) {
+  $("mode").textContent = state.label;
+  $("mode").className = state.mode === "live" ? "badge live" : "badge";
+  $("cache-label").textContent = state.label;
+  $("cache-label").className = $("mode").className;
+  $("cache-source").textContent = state.mode === "live"
+    ? "provider-reported (read from each response's usage fields)"
+    : "SCRIPTED (computed by the offline DeepSeek prefix-cache model, no network)";
+  $("banner").textContent = state.banner;
+  $("session").textContent = state.session;
+  $("view").textContent = state.main_view.join(", ");
+  $("transcript").replaceChildren(...state.turns.map(renderTurn));
+  const rows = [];
+  for (const turn of state.turns) {
+    for (const r of turn.requests) {
+      rows.push(el("tr", { "data-request": r.index },
+        el("td", { "data-field": "index" }, r.index),
+        el("td", { "data-field": "turn" }, r.turn + 1),
+        el("td", { "data-field": "channel" }, r.channel),
+        el("td", { "data-field": "prompt" }, tokens(r.prompt_tokens)),
+        el("td", { "data-field": "cached" }, tokens(r.cached_tokens)),
+        el("td", { "data-field": "hit" }, pct(r.cached_tokens, r.prompt_tokens)),
+      ));
+    }
+  }
+  $("requests").tBodies[0].replaceChildren(...rows);
+  const totals = state.totals;
+  $("totals").querySelector("[data-field=prompt]").textContent = totals.prompt_tokens;
+  $("totals").querySelector("[data-field=cached]").textContent = totals.cached_tokens;
+  $("totals").querySelector("[data-field=hit]").textContent =
+    totals.hit_rate === null ? "" : (100 * totals.hit_rate).toFixed(1) + "%";
+  document.body.dataset.turns = String(state.turns.length);
+}
+
+async function load() {
+  const response = await fetch("/api/state", { cache: "no-store" });
+  if (!response.ok) throw new Error("GET /api/state: HTTP " + response.status);
+  render(await response.json());
+}
+
+async function send(event) {
+  event.preventDefault();
+  const input = $("message");
+  const message = input.value.trim();
+  if (!message) return;
+  $("send").disabled = true;
+  document.body.dataset.busy = "1";
+  try {
+    const response = await fetch("/api/chat", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ message }),
+    });
+    const body = await response.json();
+    if (!response.ok) throw new Error(body.error || "HTTP " + response.status);
+    input.value = "";
+    showError("");
+    render(body.state);
+  } catch (error) {
+    showError(String(error.message || error));
+  } finally {
+    $("send").disabled = false;
+    delete document.body.dataset.busy;
+    input.focus();
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("ask").addEventListener("submit", send);
+  load().catch((error) => showError(String(error.message || error)));
+});
