@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,40 +18,18 @@ import pytest
 
 from tvcache.server import CacheService, ServerSettings, ServerThread
 
+from browser_support import chromium, missing_browser
 from server_support import TASKS, populate_dashboard
 
-CHROMIUM = shutil.which("chromium")
-CHROMEDRIVER = shutil.which("chromedriver")
 TOKEN = "dashboard-test-token"
-# As the machine notes say: as root, without a sandbox, and with Chromium's own network chatter off.
-FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-    "--window-size=1500,1850",
-)
-
 try:
-    from selenium import webdriver
-    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
-except ImportError:  # pragma: no cover - depends on the environment
-    webdriver = None  # type: ignore[assignment]
+except ImportError:  # pragma: no cover - the tests are skipped then; missing_browser() says why
+    pass
 
-if webdriver is None:
-    pytestmark = pytest.mark.skip(reason="selenium is not installed (pip install -e '.[dev]')")
-elif CHROMIUM is None or CHROMEDRIVER is None:
-    pytestmark = pytest.mark.skip(
-        reason="Chromium or ChromeDriver is missing: run scripts/install-browser.sh as root (apt-get install -y "
-        "chromium chromium-driver)"
-    )
+if missing_browser() is not None:
+    pytestmark = pytest.mark.skip(reason=str(missing_browser()))
 
 
 @pytest.fixture(scope="module")
@@ -67,22 +44,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerThr
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    service = webdriver.ChromeService(executable_path=str(CHROMEDRIVER))
-    try:
-        driver = webdriver.Chrome(options=options, service=service)
-    except WebDriverException as error:
-        pytest.fail(f"Chromium is installed but did not start: {error.msg}")
-    driver.set_page_load_timeout(20)
-    try:
+    with chromium(tmp_path_factory.mktemp("chromium-profile"), window="1500,1850") as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def percent(text: str) -> float:

@@ -8,7 +8,6 @@ test's tmp dir (its path is printed).
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,36 +21,17 @@ from cacherouter.gateway import Gateway, GatewayConfig
 from cacherouter.mainview import MainView
 from cacherouter.web import WebChat, WebServerThread
 
-CHROMIUM = shutil.which("chromium")
-CHROMEDRIVER = shutil.which("chromedriver")
-# The flags of tests/test_dashboard_browser.py: as root, without a sandbox, Chromium's own network chatter off.
-FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-    "--window-size=1400,1500",
-)
+from browser_support import chromium, missing_browser
+
 MESSAGES = ("Weather report for a city text=Paris", "Stock price for a ticker symbol text=<b>ACME</b>")
 
 try:
-    from selenium import webdriver
-    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
-except ImportError:  # pragma: no cover - depends on the environment
-    webdriver = None  # type: ignore[assignment]
+except ImportError:  # pragma: no cover - the tests are skipped then; missing_browser() says why
+    pass
 
-needs_browser = pytest.mark.skipif(
-    webdriver is None or CHROMIUM is None or CHROMEDRIVER is None,
-    reason="needs selenium (pip install -e '.[dev]') and Chromium with ChromeDriver (scripts/install-browser.sh, "
-    "i.e. apt-get install -y chromium chromium-driver)",
-)
+needs_browser = pytest.mark.skipif(missing_browser() is not None, reason=str(missing_browser()))
 
 
 @pytest.fixture
@@ -66,22 +46,8 @@ def server(tmp_path: Path) -> Iterator[WebServerThread]:
 
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[Any]:
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    service = webdriver.ChromeService(executable_path=str(CHROMEDRIVER))
-    try:
-        driver = webdriver.Chrome(options=options, service=service)
-    except WebDriverException as error:
-        pytest.fail(f"Chromium is installed but did not start: {error.msg}")
-    driver.set_page_load_timeout(20)
-    try:
+    with chromium(tmp_path / "chromium-profile", window="1400,1500") as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 @needs_browser
