@@ -27,23 +27,16 @@ from typing import Any
 
 from ..client.sharding import rendezvous
 from ..server.wire import WIRE_TOOL
-from .load import measure, offer
+from .load import LoadFigures, measure, offer
 
 TASKS = 16
 MAX_CONNECTIONS = 512
 
 
 @dataclass(frozen=True, kw_only=True)
-class RateResult:
+class RateResult(LoadFigures):
     route: str
     rate: int
-    sent: int
-    errors: int
-    achieved: float
-    p50_ms: float
-    p95_ms: float
-    p99_ms: float
-    max_ms: float
 
 
 def _keys(count: int, seed: int) -> list[tuple[str, list[str]]]:

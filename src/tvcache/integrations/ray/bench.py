@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from ...bench.load import measure, offer
+from ...bench.load import LoadFigures, measure, offer
 from ...bench.server import Pool, _free_port, _keys, _native_request, _populate, _start, _wait_healthy
 from ...client.sharding import rendezvous
 from ...server.wire import WIRE_TOOL
@@ -30,15 +30,9 @@ Send = Callable[[int], Awaitable[bool]]
 
 
 @dataclass(frozen=True, kw_only=True)
-class Row:
+class Row(LoadFigures):
     deployment: str
     rate: int
-    sent: int
-    errors: int
-    achieved: float
-    p50_ms: float
-    p95_ms: float
-    p99_ms: float
 
 
 def _lookup_body(task: str, history: list[str]) -> bytes:
@@ -75,7 +69,7 @@ async def _measure(name: str, send: Send, rates: list[int], duration: float) -> 
     rows = []
     for rate in rates:
         figures = await measure(send, max(1, int(rate * duration)), rate)
-        row = Row(deployment=name, rate=rate, **{k: v for k, v in asdict(figures).items() if k != "max_ms"})
+        row = Row(deployment=name, rate=rate, **asdict(figures))
         rows.append(row)
         print(
             f"{name:<5} {rate:>6} lookups/s offered  achieved {row.achieved:>7.0f}  p50 {row.p50_ms:7.2f} ms  "
