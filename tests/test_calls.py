@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tvcache import calls
 from tvcache.calls import ToolCall, ToolSpec, canonical_json, stable_digest
 from tvcache.errors import InvalidInput, InvalidToolCall
 
@@ -151,6 +152,25 @@ def test_digest_equal_iff_canonical_bytes_equal(
     assert a.digest == stable_digest(a.name.encode() + b"\x00" + a.canonical_arguments)
     assert (a.digest == b.digest) == (a.canonical() == b.canonical())
     assert (a == b) == (a.canonical() == b.canonical())
+
+
+flat_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(alphabet=st.characters(max_codepoint=127))
+    | st.text()
+)
+
+
+@given(arguments=st.dictionaries(st.text(max_size=8), flat_scalars, max_size=6))
+def test_the_flat_fast_path_encodes_exactly_like_the_general_path(arguments: dict[str, Any]) -> None:
+    """Flat ASCII arguments skip the validating copy; the bytes must be the ones the general path gives."""
+    general = json.dumps(
+        calls._plain(arguments, "arguments"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    ).encode()
+    assert canonical_json(arguments) == general
 
 
 def test_canonical_form_is_compact_sorted_utf8() -> None:

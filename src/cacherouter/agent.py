@@ -106,7 +106,7 @@ class Agent:
             )
             if NEED_TOOLS not in reply.content:
                 text = _strip_markers(reply.content)
-                self._finish(session, [user, {"role": "assistant", "content": text}], text, "direct")
+                self._finish(session, [user, reply.assistant_message()], text, "direct")
                 return Answer(text=text, path="direct", rounds=0, router_calls=0, calls=(), errors=0, deep_thinking=())
         return self._loop(session, system, user)
 
@@ -135,7 +135,7 @@ class Agent:
             rounds += 1
             if not reply.tool_calls:
                 text = _strip_markers(reply.content)
-                new.append({"role": "assistant", "content": text})
+                new.append(reply.assistant_message())
                 self._finish(session, new, text, "tools")
                 return Answer(
                     text=text,
@@ -236,8 +236,13 @@ class Agent:
             return _error(call.name, str(e))
 
     def _finish(self, session: Session, new: list[Message], text: str, path: str) -> None:
+        """Append the turn to both streams. ``new`` holds the model's replies exactly as it produced them (markers
+        included): providers persist a request's output as a cache boundary, so the next request hits through
+        the reply only if the history repeats its bytes. ``text`` is the answer shown to the user."""
         session.full.extend(new)
-        summary = text if len(text) <= self.config.summary_chars else text[: self.config.summary_chars] + "..."
+        reply = str(new[-1].get("content") or "")
+        limit = self.config.summary_chars
+        summary = reply if len(reply) <= limit else reply[:limit] + "..."
         session.compact.extend([new[0], {"role": "assistant", "content": summary}])
         session.turns.append({"query": new[0]["content"], "answer": text, "path": path})
         if self.config.sessions_dir is not None:

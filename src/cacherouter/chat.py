@@ -37,7 +37,7 @@ from .models import (
     ToolCall,
 )
 from .prompts import DIRECT_ANSWER, NEED_TOOLS, ROUTER_TOOL
-from .router import Router
+from .router import Router, RouterConfig
 from .session import Session
 
 SCRIPTED_LABEL = "SCRIPTED demo: rule-based stand-in models, offline DeepSeek cache model, no network"
@@ -116,7 +116,9 @@ def scripted_router(request: ChatRequest) -> ChatResponse:
     return ChatResponse(tool_calls=(ToolCall(id="route_0", name=function["name"], arguments=arguments),))
 
 
-def build_chat(gateway: Gateway, *, packages: tuple[str, ...], scripted: bool, sessions_dir: Path | None) -> ChatSetup:
+def build_chat(
+    gateway: Gateway, *, packages: tuple[str, ...], scripted: bool, sessions_dir: Path | None, ranker: str = "auto"
+) -> ChatSetup:
     ledger = Ledger()
     main: ChatModel
     router_model: ChatModel
@@ -136,7 +138,7 @@ def build_chat(gateway: Gateway, *, packages: tuple[str, ...], scripted: bool, s
         main = RecordingModel(OpenAICompatibleModel(main_config), ledger, provider=main_config.provider)
         router_model = RecordingModel(OpenAICompatibleModel(router_config), ledger, provider=router_config.provider)
     view = MainView.from_registry(gateway.registry, packages)
-    router = Router(gateway, router_model, core_tools=frozenset(view.core_tools))
+    router = Router(gateway, router_model, core_tools=frozenset(view.core_tools), config=RouterConfig(ranker=ranker))
     agent = Agent(gateway=gateway, main_model=main, router=router, config=AgentConfig(sessions_dir=sessions_dir))
     return ChatSetup(agent=agent, ledger=ledger, scripted=scripted)
 

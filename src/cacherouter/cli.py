@@ -11,6 +11,8 @@ from pathlib import Path
 from .errors import CacheRouterError
 from .mainview import MainView
 from .registry import build_registry, script_schema
+from .relevance import RANKERS, SCORERS, make_ranker
+from .router import RouterConfig
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
@@ -76,9 +78,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .tokens import default_tokenizer
 
     tokenizer = default_tokenizer()
+    ranker = make_ranker(RouterConfig().ranker).name  # what the router's "auto" default resolves to here
     results = run_all(architectures=args.architectures or ARCHITECTURES, workloads=args.workloads, tokenizer=tokenizer)
     print("Offline evaluation: SCRIPTED models (no LLM API reachable), offline DeepSeek prefix-cache model,")
-    print(f"hit tokens priced at 1/30 of miss tokens; tokenizer: {tokenizer.name}.")
+    print(f"hit tokens priced at 1/30 of miss tokens; tokenizer: {tokenizer.name}; router relevance: {ranker}.")
     header = (
         f"{'workload':<9} {'architecture':<12} {'requests':>8} {'input tok':>10} {'cached tok':>10} "
         f"{'hit rate':>8} {'cost ratio':>10} {'cost (miss-tok eq.)':>20} {'main tool segs':>14}"
@@ -92,8 +95,30 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             f"{_pct(s.hit_rate):>8} {_pct(s.cost_ratio):>10} {cost:>20.0f} {r.main_tool_segments:>14}"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(results_json(results, tokenizer.name), indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(results_json(results, tokenizer.name, ranker=ranker), indent=2) + "\n")
         print(f"figures written to {args.json}")
+    return 0
+
+
+def _cmd_eval_relevance(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from .evaluation.longtail import generate_repository
+    from .evaluation.retrieval import QUERIES_FILE, compare_relevance, format_comparison, load_queries
+    from .evaluation.runner import EVAL_REPO
+    from .evaluation.suite import CORE_PACKAGES
+
+    queries = load_queries(Path(args.queries) if args.queries else QUERIES_FILE)
+    with tempfile.TemporaryDirectory(prefix="cacherouter-relevance-") as tmp:
+        registry = build_registry(generate_repository(EVAL_REPO, Path(tmp) / "repo"))
+        core_tools = frozenset(spec.name for spec in registry.in_packages(CORE_PACKAGES))
+        rankers = {name: RANKERS[name] for name in args.rankers}
+        comparison = compare_relevance(queries, registry, core_tools=core_tools, rankers=rankers, k=args.top_k)
+    for line in format_comparison(comparison):
+        print(line)
+    if args.relevance_json:
+        Path(args.relevance_json).write_text(json.dumps(comparison.to_json(), indent=2) + "\n")
+        print(f"figures written to {args.relevance_json}")
     return 0
 
 
@@ -132,7 +157,13 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         raise CacheRouterError(gateway.last_error)
     gateway.start()  # hot reload while chatting; the main view stays as it was at the start of the session
     try:
-        setup = build_chat(gateway, packages=tuple(args.packages), scripted=args.scripted, sessions_dir=sessions_dir)
+        setup = build_chat(
+            gateway,
+            packages=tuple(args.packages),
+            scripted=args.scripted,
+            sessions_dir=sessions_dir,
+            ranker=args.ranker,
+        )
         if args.session:
             if sessions_dir is None:
                 raise CacheRouterError("--session needs --sessions-dir, where sessions are kept")
@@ -166,7 +197,7 @@ def _cmd_web(args: argparse.Namespace) -> int:
     gateway.start()
     try:
         packages = tuple(args.packages)
-        setup = build_chat(gateway, packages=packages, scripted=args.scripted, sessions_dir=None)
+        setup = build_chat(gateway, packages=packages, scripted=args.scripted, sessions_dir=None, ranker=args.ranker)
         web = WebChat(setup, setup.agent.new_session(MainView.from_registry(gateway.registry, packages)))
         print(f"cacherouter web ({web.label}) on http://{args.host}:{args.port}/", file=sys.stderr)
         uvicorn.run(create_app(web, host=args.host), host=args.host, port=args.port, log_level="warning")
@@ -220,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--sessions-dir", help="persist sessions here (resume one with --session ID)")
     chat.add_argument("--session", help="resume this session id from --sessions-dir")
     chat.add_argument("--poll-interval", type=float, default=1.0, help="seconds between repository polls")
+    chat.add_argument(
+        "--ranker",
+        choices=sorted(RANKERS),
+        default="auto",
+        help="the router's relevance scorer (auto: dense embeddings when the router extra is installed, else bm25)",
+    )
     chat.set_defaults(func=_cmd_chat)
     web = sub.add_parser("web", help="the chat in a browser: messages, tool and router calls, cache hits per request")
     web.add_argument("--repo", help="tool repository (default: the bundled evaluation repository)")
@@ -232,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     web.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; the UI has no login)")
     web.add_argument("--port", type=int, default=8765, help="port to listen on")
     web.add_argument("--poll-interval", type=float, default=1.0, help="seconds between repository polls")
+    web.add_argument(
+        "--ranker",
+        choices=sorted(RANKERS),
+        default="auto",
+        help="the router's relevance scorer (auto: dense embeddings when the router extra is installed, else bm25)",
+    )
     web.set_defaults(func=_cmd_web)
     evaluate = sub.add_parser(
         "eval", help="run the scripted 55-query suite, 30-turn dialogue and 40-query long-tail workload, three ways"
@@ -245,6 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--architectures", nargs="+", choices=["cacherouter", "all-tools", "dynamic"])
     evaluate.set_defaults(func=_cmd_eval)
+    eval_modes = evaluate.add_subparsers(dest="eval_command", metavar="{relevance}")
+    relevance = eval_modes.add_parser(
+        "relevance", help="compare the relevance scorers on the labelled long-tail query set (no models needed)"
+    )
+    relevance.add_argument("--json", dest="relevance_json", metavar="PATH", help="also write the figures as JSON")
+    relevance.add_argument("--queries", metavar="PATH", help="a JSONL query set (default: the bundled one)")
+    relevance.add_argument("--rankers", nargs="+", choices=SCORERS, default=list(SCORERS), help="scorers to compare")
+    relevance.add_argument("--top-k", type=int, default=RouterConfig().top_k, help="the router's top-k")
+    relevance.set_defaults(func=_cmd_eval_relevance)
     return parser
 
 

@@ -31,7 +31,7 @@ class RouterConfig:
     blacklist: frozenset[str] = frozenset()
     whitelist: frozenset[str] = frozenset()
     top_k: int = 5
-    ranker: str = "bm25"
+    ranker: str = "auto"  # see relevance.RANKERS
     yellowlist_core: bool = True  # add the main model's core tools to the yellowlist
     yellowlist: frozenset[str] = frozenset()
     filtering: bool = True  # False = the "no filter" configuration: every tool goes to the sub-model
@@ -102,6 +102,7 @@ class Router:
         self.model = model
         self.core_tools = core_tools
         self.config = config or RouterConfig()
+        self.ranker = make_ranker(self.config.ranker)  # built once: a missing extra fails here, not mid-task
 
     def route(self, task: str, *, hint: str = "", context: Sequence[str] = ()) -> RouterOutcome:
         if not self.config.enabled:
@@ -114,7 +115,9 @@ class Router:
         summary = compress_task(task, context)
         registry = self.gateway.registry  # one snapshot for the whole call, even if a reload swaps it
         query = f"{task} {hint}".strip()
-        candidates = filter_candidates(query, list(registry), config=self.config, core_tools=self.core_tools)
+        candidates = filter_candidates(
+            query, list(registry), config=self.config, core_tools=self.core_tools, ranker=self.ranker
+        )
         names = tuple(t.name for t in candidates)
         if not candidates:
             return RouterOutcome(

@@ -11,16 +11,15 @@ form cannot send one without a CORS preflight, which is never granted) and a sam
 sends one. A strict Content-Security-Policy and rendering everything as text keep tool output -- arbitrary bytes --
 from running as code in the page.
 
-The conversation state (:class:`WebChat`) is standard-library only; the Starlette app and the uvicorn thread import
-their frameworks lazily and name the extra to install when they are missing.
+The conversation state (:class:`WebChat`) is standard-library only; the Starlette app imports its framework lazily
+and names the extra to install when it is missing. To serve it from a background thread (tests, embedding), use
+tvcache's helper: ``with AppThread(create_app(web)) as thread: ... thread.url`` (``tvcache.server.runner``).
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import threading
-import time
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +32,7 @@ from .session import Session
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-__all__ = ["LIVE_LABEL", "MAX_MESSAGE_CHARS", "WebChat", "WebServerThread", "create_app"]
+__all__ = ["LIVE_LABEL", "MAX_MESSAGE_CHARS", "WebChat", "create_app"]
 
 LIVE_LABEL = "Live models (OpenAI-compatible endpoints from CACHEROUTER_*); cache figures are provider-reported"
 MAX_MESSAGE_CHARS = 8000
@@ -202,40 +201,3 @@ def create_app(web: WebChat, *, host: str = "127.0.0.1") -> Starlette:
     # Bound to loopback: answer loopback names only, so a rebinding DNS name cannot reach the agent's tools.
     allowed = [*LOOPBACK_NAMES, host] if host in LOOPBACK_NAMES else ["*"]
     return Starlette(routes=routes, middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=allowed)])
-
-
-class WebServerThread:
-    """The web UI on 127.0.0.1 (a free port unless given) in a background thread: for tests and embedding."""
-
-    def __init__(self, web: WebChat, *, port: int = 0) -> None:
-        try:
-            import uvicorn
-        except ImportError as e:
-            raise ConfigError(_EXTRA) from e
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.bind(("127.0.0.1", port))
-        self.port: int = self._socket.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(web), access_log=False, log_level="warning")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
-
-    def start(self, timeout: float = 10.0) -> WebServerThread:
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise ConfigError(f"the web UI did not start on {self.url} within {timeout:g}s")
-            time.sleep(0.005)
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout)
-        self._socket.close()
-
-    def __enter__(self) -> WebServerThread:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()

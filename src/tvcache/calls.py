@@ -72,10 +72,37 @@ def _plain(value: Any, where: str, depth: int = 0) -> Any:
     )
 
 
+def _is_flat_plain(value: Any) -> bool:
+    """True for the common shape of tool arguments, a dict of ASCII keys to ASCII strings, finite numbers,
+    booleans and nulls, which ``_plain`` would copy unchanged: it can be encoded as it is."""
+    if type(value) is not dict:
+        return False
+    for key, item in value.items():
+        if type(key) is not str or not key.isascii():
+            return False
+        kind = type(item)
+        if kind is str:
+            if not item.isascii():
+                return False
+        elif kind is int:
+            if item.bit_length() > _MAX_INT_BITS:
+                return False
+        elif kind is float:
+            if not math.isfinite(item):
+                return False
+        elif item is not None and kind is not bool:
+            return False
+    return True
+
+
+# Built once: json.dumps with non-default options constructs a new encoder per call, half the cost of a hit.
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def canonical_json(value: Any) -> bytes:
     """Canonical UTF-8 JSON: sorted keys, no insignificant whitespace, shortest round-trip floats."""
-    plain = _plain(value, "arguments")
-    return json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    plain = value if _is_flat_plain(value) else _plain(value, "arguments")
+    return _ENCODER.encode(plain).encode()
 
 
 class ToolCall:

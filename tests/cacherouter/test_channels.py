@@ -2,7 +2,7 @@ from support import add_tool, make_repo
 
 from cacherouter.accounting import Ledger, RecordingModel
 from cacherouter.agent import Agent, AgentConfig
-from cacherouter.cachemodel import DeepSeekCacheModel
+from cacherouter.cachemodel import DeepSeekCacheModel, render_message
 from cacherouter.gateway import Gateway, GatewayConfig
 from cacherouter.mainview import MainView
 from cacherouter.models import ChatRequest, ChatResponse, ScriptedModel, SimulatedProvider, ToolCall
@@ -44,6 +44,23 @@ def test_triage_direct_answer_uses_one_request(tmp_path):
     assert (answer.path, answer.text, answer.rounds) == ("direct", "4.", 0)
     assert [r.channel for r in ledger.records] == ["triage"]
     assert session.compact == session.full
+
+
+def test_history_repeats_the_reply_bytes_so_the_next_request_hits_through_the_output(tmp_path):
+    """DeepSeek persists the end of each output as a cache boundary; rewriting the reply in history (stripping
+    the triage marker) would push the next request's miss back to the start of the reply."""
+    answers = iter([f"Four, since two and two make four. {DIRECT_ANSWER}", f"Six. {DIRECT_ANSWER}"])
+    agent, session, ledger, _ = make_agent(tmp_path, lambda r: ChatResponse(content=next(answers)))
+    first = agent.ask(session, "2+2?")
+    agent.ask(session, "3+3?")
+    assert first.text == "Four, since two and two make four."  # the user sees the answer without the marker
+    assert session.full[1]["content"] == f"Four, since two and two make four. {DIRECT_ANSWER}"
+    second = ledger.records[1].usage
+    assert second.prompt_tokens is not None
+    assert second.cached_tokens is not None
+    tokenizer = SimulatedProvider(ScriptedModel(lambda r: ChatResponse()), DeepSeekCacheModel()).tokenizer
+    new_user = len(tokenizer.encode(render_message({"role": "user", "content": "3+3?"})))
+    assert second.prompt_tokens - second.cached_tokens == new_user
 
 
 def test_parallel_calls_router_placeholder_and_unmatched_calls(tmp_path):
@@ -164,7 +181,7 @@ def test_router_filter_stages():
     registry = build_registry(make_repo_path())
     tools = list(registry)
     core = frozenset({"echo_text", "show_time"})
-    config = RouterConfig(top_k=5)
+    config = RouterConfig(top_k=5, ranker="bm25")  # a lexical scorer, so exactly one tool matches "back" below
     assert filter_candidates("weather for a city", tools, config=config, core_tools=core)[0].name == "city_weather"
     black = RouterConfig(blacklist=frozenset({"city_weather"}))
     assert "city_weather" not in [

@@ -19,7 +19,8 @@ from support import make_repo
 from cacherouter.chat import SCRIPTED_LABEL, build_chat
 from cacherouter.gateway import Gateway, GatewayConfig
 from cacherouter.mainview import MainView
-from cacherouter.web import WebChat, WebServerThread
+from cacherouter.web import WebChat, create_app
+from tvcache.server.runner import AppThread
 
 from browser_support import chromium, missing_browser
 
@@ -35,12 +36,12 @@ needs_browser = pytest.mark.skipif(missing_browser() is not None, reason=str(mis
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[WebServerThread]:
+def server(tmp_path: Path) -> Iterator[AppThread]:
     root = make_repo(tmp_path / "repo")
     with Gateway(GatewayConfig(root=root)) as gateway:
         setup = build_chat(gateway, packages=("base",), scripted=True, sessions_dir=None)
         web = WebChat(setup, setup.agent.new_session(MainView.from_registry(gateway.registry, ("base",))))
-        with WebServerThread(web) as thread:
+        with AppThread(create_app(web)) as thread:
             yield thread
 
 
@@ -51,7 +52,7 @@ def browser(tmp_path: Path) -> Iterator[Any]:
 
 
 @needs_browser
-def test_web_ui_in_chromium(server: WebServerThread, browser: Any, tmp_path: Path) -> None:
+def test_web_ui_in_chromium(server: AppThread, browser: Any, tmp_path: Path) -> None:
     wait = WebDriverWait(browser, 30, poll_frequency=0.05)
     browser.get(f"{server.url}/")
     wait.until(lambda d: d.find_element(By.ID, "mode").text == "SCRIPTED")
@@ -121,7 +122,7 @@ def test_web_ui_in_chromium(server: WebServerThread, browser: Any, tmp_path: Pat
     assert [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"] == []
 
 
-def test_chat_endpoint_refuses_cross_site_and_malformed_requests(server: WebServerThread) -> None:
+def test_chat_endpoint_refuses_cross_site_and_malformed_requests(server: AppThread) -> None:
     with httpx.Client(base_url=server.url, timeout=10) as http:
         page = http.get("/")
         assert page.status_code == 200

@@ -290,7 +290,7 @@ def run_all(
     return results
 
 
-def results_json(results: Sequence[RunResult], tokenizer_name: str) -> dict[str, Any]:
+def results_json(results: Sequence[RunResult], tokenizer_name: str, *, ranker: str) -> dict[str, Any]:
     def summary(s: Summary) -> dict[str, Any]:
         return {
             "requests": s.requests,
@@ -304,6 +304,7 @@ def results_json(results: Sequence[RunResult], tokenizer_name: str) -> dict[str,
     return {
         "models": "scripted (no LLM API reachable); cache: offline DeepSeek prefix-cache model, hit price 1/30",
         "tokenizer": tokenizer_name,
+        "router_relevance": ranker,
         "runs": [
             {
                 "architecture": r.architecture,
