@@ -14,11 +14,12 @@ import sys
 import textwrap
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
 
-from tvcache import AlwaysSnapshot, Budget, Cache, CostAwareSnapshots, ToolCall
+from tvcache import AlwaysSnapshot, Budget, Cache, CostAwareSnapshots, SnapshotDeclined, ToolCall
 from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory
 from tvcache.sandboxes._linux import overlay_supported
 from tvcache.sandboxes.layers import LayerStore
@@ -398,13 +399,15 @@ def test_without_overlay_privileges_it_falls_back_to_copies(tmp_path: Path, monk
 
 
 def test_a_squash_keeps_owners_hard_links_and_special_files(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "a.txt").write_text("base\n")
+    os.link(base / "a.txt", base / "hard")  # in the base tree: a sandbox cannot snapshot hard links it made
     factory = factory_for(tmp_path, max_layers=2)
 
     async def main() -> tuple[str, str]:
         sandbox = await factory.start()
-        setup = (
-            "touch owned && chown 65534 owned && ln a.txt hard && mkfifo pipe && stat -c '%U %h %F' owned a.txt pipe"
-        )
+        setup = "touch owned && chown 65534 owned && mkfifo pipe && stat -c '%U %h %F' owned a.txt pipe"
         before = (await sandbox.execute(sh(setup))).output
         for index in range(4):  # more snapshots than max_layers: the stack is squashed
             await sandbox.execute(sh(f"echo {index} > f{index}"))
@@ -416,6 +419,56 @@ def test_a_squash_keeps_owners_hard_links_and_special_files(tmp_path: Path) -> N
 
     before, after = asyncio.run(main())
     assert before == after == "nobody 1 regular empty file\nroot 2 regular file\nroot 1 fifo\n"
+
+
+@pytest.mark.parametrize("policy", ["cost-aware", "always"])
+def test_hard_links_made_in_a_rollout_behave_as_in_uncached_execution(tmp_path: Path, policy: str) -> None:
+    """overlayfs splits a lower file's hard links on copy-up: a snapshot between ``ln`` and a write through one
+    name would make the other name keep the old content in forks. Such states are not snapshotted."""
+    factory = factory_for(tmp_path)
+    snapshots = AlwaysSnapshot() if policy == "always" else CostAwareSnapshots()
+    cache = Cache(snapshot_policy=snapshots)
+    history = ["echo a > f && ln f g", "sleep 0.05; echo b >> f", "cat g", "stat -c %h g"]
+
+    async def rollout(steps: list[str]) -> list[str]:
+        async with cache.session("links", sandbox=factory) as session:
+            return [(await session.call("sh", {"cmd": cmd})).output for cmd in steps]
+
+    async def fresh(steps: list[str]) -> list[str]:
+        sandbox = await factory.start()
+        try:
+            return [(await sandbox.execute(sh(cmd))).output for cmd in steps]
+        finally:
+            await sandbox.stop()
+
+    async def main() -> tuple[list[str], list[str], list[str]]:
+        first = await rollout(history)
+        branch = await rollout([*history[:1], "cat g", *history[1:]])  # forks at the state after `ln`, if any
+        return first, branch, await fresh(history)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # declining a snapshot is not worth a warning
+        first, branch, truth = asyncio.run(main())
+    cache.close()
+    assert first == truth == ["", "", "a\nb\n", "2\n"]
+    assert branch == ["", "a\n", "", "a\nb\n", "2\n"]
+
+
+def test_a_sandbox_declines_to_snapshot_hard_links_it_made_and_keeps_working(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path)
+
+    async def main() -> str:
+        sandbox = await factory.start()
+        try:
+            await sandbox.execute(sh("echo a > f && ln f g"))
+            with pytest.raises(SnapshotDeclined, match="hard links"):
+                await sandbox.snapshot(tmp_path / "snap")
+            assert not (tmp_path / "snap").exists()
+            return (await sandbox.execute(sh("echo b >> f && cat g"))).output
+        finally:
+            await sandbox.stop()
+
+    assert asyncio.run(main()) == "a\nb\n"
 
 
 def test_a_bad_timeout_is_a_clear_error_and_keeps_the_sandbox(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from .errors import (
     ReplayError,
     SandboxError,
     SessionClosed,
+    SnapshotDeclined,
     TVCacheError,
     UnknownTool,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "SessionStats",
     "ShardedCache",
     "Snapshot",
+    "SnapshotDeclined",
     "SyncSession",
     "TVCacheError",
     "TestResult",

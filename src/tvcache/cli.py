@@ -121,14 +121,17 @@ def _mcp_proxy(args: argparse.Namespace) -> int:
 
 
 def _ray(args: argparse.Namespace) -> int:
+    import os
+
     try:
         from .integrations.ray import command
     except ImportError as error:
         print(f"tvcache ray: {error}", file=sys.stderr)
         return 2
     return command.run(
-        args.action, shards=args.shards, data_dir=args.data_dir, namespace=args.namespace, address=args.address
-    )
+        args.action, shards=args.shards, data_dir=args.data_dir, namespace=args.namespace, address=args.address,
+        host=args.host, port=args.port, token=args.token or os.environ.get("TVCACHE_TOKEN") or None,
+    )  # fmt: skip
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -249,13 +252,18 @@ def build_parser() -> argparse.ArgumentParser:
         "ray",
         help="manage graph shards as Ray actors (needs the 'ray' extra)",
         description="Shard actors in a running Ray cluster (see docs/ray.md): up starts them detached and "
-        "restartable, status shows where each runs and its counters, down stops them (journals stay).",
+        "restartable, status shows where each runs and its counters, down stops them (journals stay), "
+        "dashboard serves their web dashboard and Prometheus /metrics.",
     )
-    ray.add_argument("action", choices=["up", "status", "down"])
+    ray.add_argument("action", choices=["up", "status", "down", "dashboard"])
     ray.add_argument("--shards", type=int, default=1, help="up: number of shard actors (default 1)")
     ray.add_argument("--data-dir", default=None, help="up: journal directory, on a filesystem every node mounts")
     ray.add_argument("--namespace", default="tvcache", help="Ray namespace of the shards (default tvcache)")
     ray.add_argument("--address", default=None, help="Ray cluster address (default: auto)")
+    ray.add_argument("--host", default="127.0.0.1", help="dashboard: address to bind (default 127.0.0.1); any "
+                     "non-loopback address requires --token")  # fmt: skip
+    ray.add_argument("--port", type=int, default=None, help="dashboard: port (default 8100)")
+    ray.add_argument("--token", default=None, help="dashboard: bearer token (default: $TVCACHE_TOKEN)")
     ray.set_defaults(handler=_ray)
     return parser
 

@@ -6,7 +6,8 @@
     │   └── InvalidToolCall    arguments that are not JSON, or that do not fit the tool's spec
     │       └── UnknownTool    a call to a tool nobody declared
     ├── SandboxError           a sandbox failed to start, fork, snapshot or execute
-    │   └── ReplayError        a sandbox failed while re-creating a cached state
+    │   ├── ReplayError        a sandbox failed while re-creating a cached state
+    │   └── SnapshotDeclined   a backend cannot freeze this state exactly (the cache goes on without a snapshot)
     ├── JournalError           the durable journal cannot be opened or written
     └── SessionClosed          a call on a session that has already ended
 
@@ -44,6 +45,11 @@ class UnknownTool(InvalidToolCall):
 
 class SandboxError(TVCacheError):
     """A sandbox backend failed. The cache itself is left consistent."""
+
+
+class SnapshotDeclined(SandboxError):
+    """The backend cannot freeze this state so that its forks behave exactly like it. Not a failure: the cache
+    takes no snapshot here, and later states are rebuilt by replay from an earlier snapshot or a fresh start."""
 
 
 class ReplayError(SandboxError):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .calls import ToolCall, ToolSpec
-from .errors import InvalidInput, ReplayError, SandboxError, SessionClosed
+from .errors import InvalidInput, ReplayError, SandboxError, SessionClosed, SnapshotDeclined
 from .graph import Lease, Node
 from .protocol import Outcome, Sandbox, SandboxFactory
 from .results import AuditFinding, ToolResult
@@ -412,6 +412,8 @@ class Session:
         began = time.perf_counter()
         try:
             snapshot = await sandbox.snapshot(dest)
+        except SnapshotDeclined:
+            return  # this state cannot be frozen exactly; it is rebuilt by replay when needed
         except Exception as error:  # a failed snapshot costs reuse, never correctness
             warnings.warn(
                 f"task {self.task_id!r}: snapshot of node {node.id} failed: {error!r}",

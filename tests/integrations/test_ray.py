@@ -8,11 +8,13 @@ folder sandboxes. One cluster serves the module (starting it is most of the cost
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import signal
 import sqlite3
 import sys
+import tarfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -43,6 +45,7 @@ from tvcache.integrations.ray import (  # noqa: E402
     start_shards,
     stop_shards,
 )
+from tvcache.integrations.ray.snapshots import pack, unpack  # noqa: E402
 from tvcache.protocol import SandboxFactory  # noqa: E402
 from tvcache.sandboxes import FolderSandbox, SQLiteSandbox  # noqa: E402
 
@@ -233,6 +236,27 @@ def test_folder_snapshots_cross_nodes_through_a_shared_directory(deployment: Dep
     assert seen["fetched"] == 1
     assert made["rollouts"][0]["outputs"] == replay["outputs"] == uncached("folder", str(d.template), SH_A)
     assert diverged["outputs"] == uncached("folder", str(d.template), SH_B)
+
+
+def test_a_published_folder_keeps_its_modes_and_refuses_paths_leaving_it(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    (tree / "bin").mkdir(parents=True)
+    for name, mode in [("bin/tool", 0o4755), ("shared", 0o664), ("bin", 0o2775)]:
+        if not (tree / name).exists():
+            (tree / name).write_text(name)
+        os.chmod(tree / name, mode)
+    data, fmt = pack(tree)
+    unpack(data, fmt, tmp_path / "copy")
+    for name in ["bin/tool", "shared", "bin"]:
+        assert oct((tmp_path / "copy" / name).stat().st_mode) == oct((tree / name).stat().st_mode), name
+
+    evil = io.BytesIO()
+    with tarfile.open(fileobj=evil, mode="w") as archive:
+        member = tarfile.TarInfo("../escaped")
+        archive.addfile(member, io.BytesIO(b""))
+    with pytest.raises(tarfile.FilterError):
+        unpack(evil.getvalue(), "tar", tmp_path / "evil")
+    assert not (tmp_path / "escaped").exists()
 
 
 def test_a_digest_mismatch_is_refused_and_the_state_rebuilt_by_replay(deployment: Deployment) -> None:

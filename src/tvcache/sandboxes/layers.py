@@ -23,6 +23,7 @@ from pathlib import Path
 __all__ = ["Layer", "LayerStore", "default_store_root", "upper_digest"]
 
 _counter = itertools.count()
+SQUASHED = "-squashed"  # the name suffix of a layer that holds a whole merged stack, base included
 
 
 def default_store_root() -> Path:
@@ -87,6 +88,11 @@ class Layer:
     refs: int = field(default=0)
     _digest: str | None = field(default=None, repr=False)
 
+    @property
+    def squashed(self) -> bool:
+        """A squash of a whole stack and its base: it replaces the base instead of lying above it."""
+        return self.path.name.endswith(SQUASHED)
+
     def digest(self) -> str:
         """The layer's content digest (computed once: layers never change)."""
         if self._digest is None:
@@ -141,14 +147,16 @@ class LayerStore:
         return layer
 
     def adopt(self, path: Path) -> Layer:
-        """Register a directory built in place (a squashed stack) as a layer."""
+        """Register a directory built in place (a squashed stack, a layer fetched from another node) as a layer,
+        with no reference taken yet."""
         layer = Layer(path=path, bytes=tree_bytes(path))
         with self._lock:
             self._layers[str(path)] = layer
         return layer
 
-    def new_layer_path(self) -> Path:
-        return self.directory / "layers" / str(next(self._ids))
+    def new_layer_path(self, *, squashed: bool = False) -> Path:
+        """A path for a layer to be built in place and then ``adopt``-ed."""
+        return self.directory / "layers" / f"{next(self._ids)}{SQUASHED if squashed else ''}"
 
     def lookup(self, paths: list[str], *, acquire: bool = False) -> list[Layer] | None:
         """The live layers at ``paths`` (None if any is unknown to this store or already deleted), with a

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import struct
 import subprocess
 import warnings
@@ -35,7 +36,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from ..calls import ToolCall, ToolSpec
-from ..errors import SandboxError
+from ..errors import SandboxError, SnapshotDeclined
 from ..protocol import Outcome, Snapshot
 from . import _linux
 from ._process import FIXED_PATH, command_timeout, fixed_environment, render_shell, run_cancellable, validated
@@ -207,7 +208,7 @@ class ShellSandbox:
 
     def _lowers(self) -> list[str]:
         lowers = [str(layer.path) for layer in self._stack]
-        squashed = bool(self._stack) and self._stack[-1].path.name.endswith("-squashed")
+        squashed = bool(self._stack) and self._stack[-1].squashed
         return lowers if squashed else [*lowers, str(self._factory.base)]
 
     def _mount(self) -> None:
@@ -291,6 +292,14 @@ class ShellSandbox:
             changed = any(True for _ in entries)
         if not changed and self._stack:
             return list(self._stack), 0
+        linked = _hard_linked_file(self._upper)
+        if linked is not None:
+            # overlayfs copies a lower file up on its first write, which splits it from its other names; in this
+            # live sandbox the names share one upper inode. A fork would let them diverge where this does not.
+            raise SnapshotDeclined(
+                f"{linked} has hard links made in this sandbox, which overlayfs would split in a fork; "
+                "not snapshotting this state"
+            )
         self._unmount()
         layer = self._store.freeze(self._upper)
         self._store.acquire([layer])
@@ -307,8 +316,7 @@ class ShellSandbox:
         once every ``max_layers`` snapshots so that lookups and mounts stay fast. ``cp -a`` keeps owners, modes,
         hard links, special files and extended attributes. If the copy fails, the deep stack stays as it is."""
         merged = _linux.mount_overlay(self._lowers(), str(self._upper), str(self._work))
-        target = self._store.new_layer_path()
-        target = target.with_name(target.name + "-squashed")
+        target = self._store.new_layer_path(squashed=True)
         try:
             # The detached mount's root is reachable through its descriptor (from a child too, via our pid):
             # nothing is ever attached.
@@ -366,6 +374,17 @@ class ShellSandbox:
 
 
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+
+
+def _hard_linked_file(upper: Path) -> str | None:
+    """A regular file of ``upper`` with more than one name, relative to it, or None."""
+    for directory, _, files in os.walk(upper):
+        for name in files:
+            path = os.path.join(directory, name)
+            info = os.lstat(path)
+            if info.st_nlink > 1 and stat.S_ISREG(info.st_mode):
+                return os.path.relpath(path, upper)
+    return None
 
 
 def _confine(mount_fd: int, base: Path, *, rootfs: bool) -> Callable[[], None]:

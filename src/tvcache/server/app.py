@@ -34,7 +34,7 @@ from .metrics import Histogram, render
 from .service import CacheService, NotFound
 from .wire import MarkStatelessIn, PrefixMatchIn, PutIn, StoreTestResultIn, UnrefIn, WireCompat
 
-__all__ = ["ServerSettings", "create_app"]
+__all__ = ["Guard", "ServerSettings", "create_app"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -438,40 +438,56 @@ def _query(request: Request, name: str) -> str:
 
 
 class Guard:
-    """Bearer-token auth and URL limits in front of every route, and status counts. Open without a token:
-    ``/healthz`` and the dashboard's static page and assets (they hold no data; the page sends the token with
-    each of its ``/v1`` requests, see ``dashboard``)."""
+    """Bearer-token auth and a query-string limit in front of every route of ``app``, and a count of responses
+    by status.
 
-    def __init__(self, app: ASGIApp, server: Server) -> None:
+    ``token``: every request needs ``Authorization: Bearer <token>`` (None: no auth), except ``open_paths`` --
+    by default ``/healthz`` and the dashboard's static page and assets (they hold no data; the page sends the
+    token with each of its ``/v1`` requests, see ``dashboard``). ``statuses``: a dict counting responses by
+    status code (None: not counted)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        token: str | None,
+        open_paths: frozenset[str] = OPEN_PATHS,
+        max_query_bytes: int = ServerSettings.max_query_bytes,
+        statuses: dict[str, int] | None = None,
+    ) -> None:
         self.app = app
-        self.server = server
-        token = server.settings.token
         self.expected = None if token is None else f"Bearer {token}".encode()
+        self.open_paths = open_paths
+        self.max_query_bytes = max_query_bytes
+        self.statuses = statuses
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        statuses = self.server.statuses
-
-        async def counted(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                status = str(message["status"])
-                statuses[status] = statuses.get(status, 0) + 1
-            await send(message)
-
-        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+        counted = send if self.statuses is None else _counting(send, self.statuses)
+        if self.expected is not None and scope["path"] not in self.open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = _error(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer ...)")
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, counted)
                 return
-        if len(scope.get("query_string", b"")) > self.server.settings.max_query_bytes:
-            limit = self.server.settings.max_query_bytes
+        if len(scope.get("query_string", b"")) > self.max_query_bytes:
+            limit = self.max_query_bytes
             await _error(414, "too_large", f"query string exceeds {limit} bytes")(scope, receive, counted)
             return
         await self.app(scope, receive, counted)
+
+
+def _counting(send: Send, statuses: dict[str, int]) -> Send:
+    async def counted(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            status = str(message["status"])
+            statuses[status] = statuses.get(status, 0) + 1
+        await send(message)
+
+    return counted
 
 
 def create_app(service: CacheService, settings: ServerSettings | None = None) -> ASGIApp:
@@ -502,4 +518,4 @@ def create_app(service: CacheService, settings: ServerSettings | None = None) ->
 
     app = Starlette(routes=server.routes(), lifespan=lifespan, exception_handlers={404: not_found, 405: not_allowed})
     app.state.server = server
-    return Guard(app, server)
+    return Guard(app, token=settings.token, max_query_bytes=settings.max_query_bytes, statuses=server.statuses)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Histogram", "render"]
+__all__ = ["Histogram", "label_expositions", "render"]
 
 BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -54,3 +55,38 @@ def render(stats: dict[str, Any], histogram: Histogram, requests: dict[str, int]
         lines.append(f'tvcache_http_requests_total{{status="{status}"}} {count}')
     lines.extend(histogram.lines("tvcache_lookup_seconds", "route"))
     return "\n".join(lines) + "\n"
+
+
+def label_expositions(texts: Mapping[str, str], *, label: str) -> list[str]:
+    """Several processes' ``render`` output as the lines of one exposition: every sample gains ``label="<key
+    of texts>"`` (first among its labels) and each metric family is written once, its samples from all processes
+    together under its ``# TYPE`` line, as the text format requires. Only parses what ``render`` writes."""
+    kinds: dict[str, str] = {}
+    samples: dict[str, list[str]] = {}
+    for value, text in texts.items():
+        family: list[str] | None = None
+        for line in text.splitlines():
+            if line.startswith("# TYPE "):
+                _, _, name, kind = line.split(" ", 3)
+                kinds.setdefault(name, kind)
+                family = samples.setdefault(name, [])
+            elif line and not line.startswith("#") and family is not None:
+                family.append(_add_label(line, label, value))
+    lines: list[str] = []
+    for name, kind in kinds.items():
+        lines.append(f"# TYPE {name} {kind}")
+        lines.extend(samples[name])
+    return lines
+
+
+def label_value(value: str) -> str:
+    """A label value escaped for the text format (backslash, double quote, newline)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _add_label(sample: str, label: str, value: str) -> str:
+    pair = f'{label}="{label_value(value)}"'
+    end = len(sample.split(" ", 1)[0].split("{", 1)[0])  # a metric name holds neither "{" nor " "
+    if sample[end : end + 1] == "{":
+        return f"{sample[: end + 1]}{pair},{sample[end + 1 :]}"
+    return f"{sample[:end]}{{{pair}}}{sample[end:]}"

@@ -14,16 +14,17 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from ..errors import InvalidInput
 from ..policies import Budget
 from .app import ServerSettings, create_app
 from .service import CacheService
 
-__all__ = ["ServerThread", "is_loopback", "serve", "serve_shards"]
+__all__ = ["AppThread", "ServerThread", "is_loopback", "serve", "serve_shards"]
 
 
 def is_loopback(host: str) -> bool:
@@ -124,38 +125,49 @@ def serve_shards(shards: int, *, host: str, port: int, data_dir: str | Path | No
     return code
 
 
-class ServerThread:
-    """A server on 127.0.0.1 in a background thread, on a free port (tests, notebooks, embedding)."""
+class AppThread:
+    """Any ASGI ``app`` on 127.0.0.1 in a background thread, on a free port unless ``port`` is given (tests,
+    notebooks, embedding). Its URL is ``url``; ``with`` starts and stops it."""
 
-    def __init__(self, service: CacheService, settings: ServerSettings | None = None) -> None:
-        self.service = service
+    def __init__(self, app: ASGIApp, *, port: int = 0) -> None:
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind(("127.0.0.1", 0))
+        self._socket.bind(("127.0.0.1", port))
         self.port: int = self._socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(_config(create_app(service, settings)))
+        self._server = uvicorn.Server(_config(app))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
-    def start(self, timeout: float = 10.0) -> ServerThread:
+    def start(self, timeout: float = 10.0) -> Self:
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the tvcache server thread did not start")
+                self.stop(timeout=1.0)
+                raise RuntimeError(f"the server thread on {self.url} did not start within {timeout:g} s (see its log)")
             time.sleep(0.005)
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
         self._server.should_exit = True
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
         self._socket.close()
 
-    def __enter__(self) -> ServerThread:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+class ServerThread(AppThread):
+    """A tvcache server for ``service`` on 127.0.0.1 in a background thread, on a free port (tests, notebooks,
+    embedding). Closing the service stays with the caller."""
+
+    def __init__(self, service: CacheService, settings: ServerSettings | None = None, *, port: int = 0) -> None:
+        super().__init__(create_app(service, settings), port=port)
+        self.service = service
 
 
 def default_token() -> str | None:

@@ -18,7 +18,8 @@ then, in any rollout worker of the cluster (a Ray task or actor on any node)::
 ``RayCache`` has the session API of ``Cache``, ``RemoteCache`` and ``ShardedCache``; replacing a
 ``ShardedCache([urls])`` by a ``RayCache()`` is the only change a worker needs (``shards``: the same shards
 behind the HTTP server's code, see ``shards``). ``PublishedSnapshots`` lets a rollout on one node fork a snapshot
-made on another (``snapshots``).
+made on another (``snapshots``). ``serve_dashboard`` (``tvcache ray dashboard``) serves the dashboard and Prometheus
+``/metrics`` of ``tvcache serve`` for the shards, merged over them (``dashboard``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .._common import require
 
 require("ray", "ray")
 
+from .dashboard import create_dashboard_app, serve_dashboard  # noqa: E402
 from .shards import (  # noqa: E402
     DEFAULT_NAMESPACE,
     RayCache,
@@ -56,7 +58,9 @@ __all__ = [
     "RayShardClient",
     "ShardActor",
     "blob_digest",
+    "create_dashboard_app",
     "find_shards",
+    "serve_dashboard",
     "start_shards",
     "stop_shards",
 ]

@@ -1,4 +1,5 @@
-"""``tvcache ray up|status|down``: manage the shard actors of a running Ray cluster from a shell."""
+"""``tvcache ray up|status|down|dashboard``: manage the shard actors of a running Ray cluster from a shell, and
+serve their dashboard and Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 
 import ray
 
+from ...errors import TVCacheError
+from .dashboard import DEFAULT_PORT, serve_dashboard
 from .shards import DEFAULT_NAMESPACE, ensure_ray, find_shards, start_shards, stop_shards
 
 __all__ = ["run"]
@@ -20,9 +23,20 @@ def run(
     data_dir: str | None = None,
     namespace: str = DEFAULT_NAMESPACE,
     address: str | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    token: str | None = None,
 ) -> int:
     """``up``: start (or find) ``shards`` detached shard actors; ``status``: where each runs and its counters;
-    ``down``: kill them for good (their journals stay in ``data_dir``)."""
+    ``down``: kill them for good (their journals stay in ``data_dir``); ``dashboard``: serve the dashboard and
+    ``/metrics`` of the shards on ``host:port`` until interrupted (``token`` required off loopback)."""
+    if action == "dashboard":
+        try:
+            serve_dashboard(namespace=namespace, host=host, port=port or DEFAULT_PORT, token=token, address=address)
+        except TVCacheError as error:
+            print(f"tvcache ray dashboard: {error}", file=sys.stderr)
+            return 2
+        return 0
     ensure_ray(address, namespace=namespace)
     if action == "up":
         if data_dir is None:
@@ -50,4 +64,4 @@ def run(
         names = stop_shards(namespace)
         print(f"tvcache ray: stopped {len(names)} shard(s) in namespace {namespace!r}")
         return 0
-    raise ValueError(f"unknown action {action!r}; expected up, status or down")
+    raise ValueError(f"unknown action {action!r}; expected up, status, down or dashboard")

@@ -182,6 +182,10 @@ class ShardActor:
             return s.export(_param(params, "task_id")).model_dump(mode="json")
         if path == "/v1/activity":
             return s.activity_report().model_dump(mode="json")
+        if path == "/v1/graph/outline":  # the dashboard's reads (tvcache ray dashboard)
+            return s.outline(_param(params, "task_id"), _int_param(params, "limit")).model_dump(mode="json")
+        if path == "/v1/node":
+            return s.node_detail(_param(params, "task_id"), _int_param(params, "node_id")).model_dump(mode="json")
         raise NotFound(f"no route GET {path}")
 
     # ------------------------------------------------------------------ operations

@@ -7,15 +7,21 @@ record the shards keep carries the digest. A fork on the node that made the snap
 anywhere else fetches the data, checks its digest on arrival (a mismatch is refused, never forked) and unpacks it
 into a node-local cache that later forks on that node reuse.
 
+Shell sandboxes (``ShellSandbox.factory``) snapshot a stack of overlay layers; each layer is published as its own
+blob (``layers``: the archive format and the cache of this process's layers by digest), so a snapshot publishes
+only the layers its parent snapshots' publications have not, and a fork elsewhere fetches only the layers its
+process does not hold yet, adopts them into its own layer store and mounts the stack from there.
+
 Stores: ``RayObjectStore`` keeps blobs in Ray's object store, put (and so owned) by a named actor, so any node of
 the cluster can pull them (lost with the actor's node, or if the actor restarts: a fork that cannot fetch starts
 fresh and replays, which costs time, never correctness). ``DirectoryStore`` keeps them under a directory
 every node mounts (a shared filesystem), which survives node loss.
 
 Eviction respects leases everywhere: a blob is released only when the shards evict its snapshot record, which
-they never do while any client on any node leases it; every publication holds one reference, so a blob shared
-by two records outlives the first eviction. The node-local cache is bounded by bytes and evicts the least
-recently used entries, skipping any entry a fork on that node is reading (a shared ``flock``).
+they never do while any client on any node leases it; every publication holds one reference on each of its
+blobs (one per layer for a shell stack), so a blob shared by two records outlives the first eviction. The
+node-local cache is bounded by bytes and evicts the least recently used entries, skipping any entry a fork on
+that node is reading (a shared ``flock``); fetched shell layers are bounded the same way, per process.
 """
 
 from __future__ import annotations
@@ -31,10 +37,10 @@ import shutil
 import tarfile
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import ray
 from ray.exceptions import RayError
@@ -42,6 +48,9 @@ from ray.exceptions import RayError
 from ...calls import ToolSpec
 from ...errors import SandboxError
 from ...protocol import Sandbox, SandboxFactory, SandboxWrapper, Snapshot
+from ...sandboxes.layers import Layer
+from ...sandboxes.shell import ShellSandboxFactory
+from .layers import LayerCache, LayerRef, pack_layer, require_gnu_tar
 
 __all__ = [
     "PUBLISHED",
@@ -52,10 +61,14 @@ __all__ = [
     "RayObjectStore",
     "blob_digest",
     "current_node_id",
+    "fetch_verified",
 ]
 
 PUBLISHED = "tvcache.published"
-"""The snapshot meta key holding a publication: ``{"digest", "format", "node", "publication", "store"}``."""
+"""The snapshot meta key holding a publication: ``{"digest", "format", "node", "publication", "store"}``, plus
+``"layers"`` (``[{"digest", "squashed"}]``, newest first) and ``"base"`` for a shell stack (format ``layers``)."""
+LAYERS = "layers"  # a shell snapshot's meta key for its stack, and the format of its publication
+T = TypeVar("T")
 
 
 def blob_digest(data: bytes) -> str:
@@ -81,6 +94,11 @@ class BlobStore(Protocol):
     def name(self) -> str: ...
 
     def put(self, digest: str, data: bytes, publication: str) -> None: ...
+
+    def retain(self, digests: Sequence[str], publication: str) -> list[str]:
+        """Add ``publication``'s reference to each of ``digests`` the store holds, without sending the data;
+        returns the digests it does not hold (to be ``put``)."""
+        ...
 
     def get(self, digest: str) -> bytes | None:
         """The blob, or None when the store no longer has it (released, or lost)."""
@@ -128,6 +146,18 @@ class DirectoryStore:
             partial.write_bytes(data)
             os.replace(partial, blob)
 
+    def retain(self, digests: Sequence[str], publication: str) -> list[str]:
+        missing = []
+        with self._locked():
+            for digest in digests:
+                if not self._blob(digest).exists():
+                    missing.append(digest)
+                    continue
+                refs = self.root / "refs" / digest
+                refs.mkdir(parents=True, exist_ok=True)
+                (refs / publication).touch()
+        return missing
+
     def get(self, digest: str) -> bytes | None:
         try:
             return self._blob(digest).read_bytes()
@@ -158,6 +188,15 @@ class BlobActor:
         if digest not in self._blobs:
             # Put by this actor, so this actor owns the object: it outlives the worker that published it.
             self._blobs[digest] = [ray.put(data)]
+
+    def retain(self, digests: list[str], publication: str) -> list[str]:
+        missing = []
+        for digest in digests:
+            if digest in self._blobs:
+                self._refs.setdefault(digest, set()).add(publication)
+            else:
+                missing.append(digest)
+        return missing
 
     def get(self, digest: str) -> list[Any] | None:
         """The blob's object ref, in a list so that Ray hands back the reference, not the value."""
@@ -209,6 +248,10 @@ class RayObjectStore:
     def put(self, digest: str, data: bytes, publication: str) -> None:
         ray.get(self._actor.put.remote(digest, publication, data), timeout=self.timeout)
 
+    def retain(self, digests: Sequence[str], publication: str) -> list[str]:
+        missing: list[str] = ray.get(self._actor.retain.remote(list(digests), publication), timeout=self.timeout)
+        return missing
+
     def get(self, digest: str) -> bytes | None:
         try:
             refs = ray.get(self._actor.get.remote(digest), timeout=self.timeout)
@@ -228,6 +271,24 @@ class RayObjectStore:
 
     def __repr__(self) -> str:
         return f"RayObjectStore(namespace={self.namespace!r})"
+
+
+def fetch_verified(store: BlobStore, digest: str) -> bytes:
+    """The blob ``digest`` from ``store``, checked against its address: a blob that is gone or does not match
+    raises SandboxError (the fork then starts fresh and replays), never reaching a sandbox."""
+    data = store.get(digest)
+    if data is None:
+        raise SandboxError(
+            f"snapshot blob {digest[:16]} is not in {store.name} (released, or lost with a node); "
+            "the state will be rebuilt by replay"
+        )
+    actual = blob_digest(data)
+    if actual != digest:
+        raise SandboxError(
+            f"snapshot blob from {store.name} does not match its address ({actual[:16]} != {digest[:16]}); "
+            "refusing to fork corrupted data"
+        )
+    return data
 
 
 # ---------------------------------------------------------------------------------------------- packing
@@ -258,7 +319,13 @@ def unpack(data: bytes, fmt: str, dest: Path) -> None:
     if fmt != "tar":
         raise SandboxError(f"unknown published snapshot format {fmt!r}; is this tvcache older than the publisher?")
     with tarfile.open(fileobj=io.BytesIO(data), mode="r") as archive:
-        archive.extractall(dest, filter="tar")  # refuses absolute paths and links leaving dest
+        archive.extractall(dest, filter=_safe_paths_exact_modes)
+
+
+def _safe_paths_exact_modes(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
+    """The ``tar`` filter's refusals (absolute paths, members or links leaving ``dest``) without its mode changes:
+    it clears setuid/setgid/sticky and group/other write bits, and a fork must show the modes the snapshot had."""
+    return tarfile.tar_filter(member, dest).replace(mode=member.mode, deep=False)
 
 
 # ---------------------------------------------------------------------------------------------- node cache
@@ -309,18 +376,7 @@ class NodeCache:
             os.utime(dest)  # recently used
             self.reused += 1
             return dest
-        data = store.get(digest)
-        if data is None:
-            raise SandboxError(
-                f"snapshot blob {digest[:16]} is not in {store.name} (released, or lost with a node); "
-                "the state will be rebuilt by replay"
-            )
-        actual = blob_digest(data)
-        if actual != digest:
-            raise SandboxError(
-                f"snapshot blob from {store.name} does not match its address ({actual[:16]} != {digest[:16]}); "
-                "refusing to fork corrupted data"
-            )
+        data = fetch_verified(store, digest)
         partial = self.root / f"{digest}.{secrets.token_hex(4)}.partial"
         try:
             if fmt == "tar":
@@ -388,33 +444,57 @@ def _remove(path: Path) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Publication:
+    """Where a snapshot's data was published. ``digest`` addresses the blob (formats ``file``, ``tar``) or, for a
+    shell stack (format ``layers``), the list of its layers, each its own blob; ``layers`` and ``base`` (the
+    tree the stack lies over) are set only then."""
+
     digest: str
     format: str
     node: str
     publication: str
     store: str
+    layers: tuple[LayerRef, ...] = ()
+    base: str | None = None
 
     @classmethod
     def of(cls, snapshot: Snapshot) -> Publication | None:
         data = snapshot.meta.get(PUBLISHED)
         if not isinstance(data, Mapping):
             return None
+        base = data.get("base")
         return cls(
             digest=str(data["digest"]),
             format=str(data["format"]),
             node=str(data["node"]),
             publication=str(data["publication"]),
             store=str(data["store"]),
+            layers=tuple(LayerRef.from_json(layer) for layer in data.get("layers", ())),
+            base=None if base is None else str(base),
         )
 
-    def to_json(self) -> dict[str, str]:
-        return {
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
             "digest": self.digest,
             "format": self.format,
             "node": self.node,
             "publication": self.publication,
             "store": self.store,
         }
+        if self.format == LAYERS:
+            data["layers"] = [layer.to_json() for layer in self.layers]
+            data["base"] = self.base
+        return data
+
+    def blobs(self) -> list[str]:
+        """The digests of the blobs this publication holds a reference on."""
+        if self.format == LAYERS:
+            return list(dict.fromkeys(layer.digest for layer in self.layers))
+        return [self.digest]
+
+
+def stack_digest(layers: Sequence[LayerRef]) -> str:
+    """The address of a shell stack: its layers' addresses, newest first."""
+    return blob_digest("".join(f"{layer.digest} {int(layer.squashed)}\n" for layer in layers).encode())
 
 
 class PublishedSnapshots:
@@ -424,6 +504,8 @@ class PublishedSnapshots:
         async with RayCache().session("task-1", sandbox=factory) as s: ...
 
     ``node_id``: this node's identity (default: the Ray node id). ``cache``: the node-local cache of fetched data.
+    ``max_layer_bytes``: for shell sandboxes, the bytes of fetched layers this process keeps for later forks
+    (``layer_cache``; layers in use are never evicted).
     """
 
     def __init__(
@@ -433,6 +515,7 @@ class PublishedSnapshots:
         *,
         cache: NodeCache | None = None,
         node_id: str | None = None,
+        max_layer_bytes: int = 1024**3,
     ) -> None:
         self.inner = factory
         self.kind = factory.kind
@@ -441,10 +524,19 @@ class PublishedSnapshots:
         self.node_id = node_id or current_node_id()
         self.cost_hints: Mapping[str, float] = getattr(factory, "cost_hints", {})
         self.published = 0
+        self._layers: _LayerPublisher | None = None
+        if isinstance(factory, ShellSandboxFactory):
+            require_gnu_tar()  # now rather than at the first snapshot
+            self._layers = _LayerPublisher(factory, store, LayerCache(factory.store, max_bytes=max_layer_bytes))
 
     @property
     def tools(self) -> Mapping[str, ToolSpec]:
         return self.inner.tools
+
+    @property
+    def layer_cache(self) -> LayerCache | None:
+        """The shell layers this process published or fetched, by digest (None for other backends)."""
+        return self._layers.cache if self._layers is not None else None
 
     async def start(self) -> Sandbox:
         return _PublishingSandbox(await self.inner.start(), self)
@@ -453,12 +545,33 @@ class PublishedSnapshots:
         publication = Publication.of(snapshot)
         if publication is None:  # made by an unwrapped factory: only usable where its files are
             return _PublishingSandbox(await self.inner.fork(snapshot), self)
+        if publication.format == LAYERS:
+            return await self._fork_layers(snapshot, publication)
         with self.cache.pinned(publication.digest):
             local = self._local_copy(snapshot, publication)
             if local is None:
                 local = await asyncio.to_thread(self.cache.fetch, publication.digest, publication.format, self.store)
             plain = Snapshot(kind=snapshot.kind, path=str(local), bytes=snapshot.bytes, meta=_inner_meta(snapshot))
             return _PublishingSandbox(await self.inner.fork(plain), self)
+
+    async def _fork_layers(self, snapshot: Snapshot, publication: Publication) -> Sandbox:
+        """Mount the stack from this process's layers, fetching the ones it does not hold; the layers stay
+        pinned (referenced) from the moment they are found until the sandbox holds its own references."""
+        layers = self._layers
+        if layers is None:
+            raise SandboxError(f"a shell layer stack cannot be forked by {self.inner!r}; use a shell sandbox factory")
+        shell = layers.shell
+        pinned = await _undone_if_cancelled(lambda: layers.pin(snapshot, publication), shell.store.release)
+        try:
+            stack = Snapshot(
+                kind=snapshot.kind,
+                path=snapshot.path,
+                bytes=snapshot.bytes,
+                meta={**_inner_meta(snapshot), LAYERS: [str(layer.path) for layer in pinned]},
+            )
+            return _PublishingSandbox(await shell.fork(stack), self)
+        finally:
+            shell.store.release(pinned)
 
     def _local_copy(self, snapshot: Snapshot, publication: Publication) -> Path | None:
         """The snapshot's data on this node without fetching: its own path where it was made, or a cached copy."""
@@ -468,17 +581,25 @@ class PublishedSnapshots:
         return cached if cached.exists() else None
 
     def discard(self, snapshot: Snapshot) -> None:
-        """The shards evicted the snapshot (never while leased): drop this publication's reference in the store
-        and this node's copy if no fork is reading it."""
+        """The shards evicted the snapshot (never while leased): drop this publication's references in the store
+        and this node's copy if no fork is reading it (a shell stack's layers stay with their other users)."""
         publication = Publication.of(snapshot)
         if publication is None:
             self.inner.discard(snapshot)
             return
-        self.store.release(publication.digest, publication.publication)
-        self.cache.drop(publication.digest)
+        for digest in publication.blobs():
+            self.store.release(digest, publication.publication)
+        if publication.format == LAYERS:
+            # The snapshot's own layer references, where it was made (elsewhere its layer paths are unknown).
+            self.inner.discard(_without_publication(snapshot))
+        else:
+            self.cache.drop(publication.digest)
 
     async def publish(self, snapshot: Snapshot) -> Snapshot:
         """Publish a snapshot just made on this node; returns its record (the data moves into the node cache)."""
+        layers = self._layers
+        if layers is not None and LAYERS in snapshot.meta:
+            return await _undone_if_cancelled(lambda: self._publish_layers(layers, snapshot), self.discard)
         source = Path(snapshot.path)
         data, fmt = await asyncio.to_thread(pack, source)
         digest = blob_digest(data)
@@ -496,12 +617,135 @@ class PublishedSnapshots:
             meta={**snapshot.meta, PUBLISHED: publication.to_json()},
         )
 
+    def _publish_layers(self, layers: _LayerPublisher, snapshot: Snapshot) -> Snapshot:
+        publication_id = secrets.token_hex(8)
+        try:
+            refs = layers.publish(snapshot, publication_id)
+        except BaseException:
+            self.inner.discard(snapshot)  # unpublished: nothing would ever release its layers
+            raise
+        publication = Publication(
+            digest=stack_digest(refs),
+            format=LAYERS,
+            node=self.node_id,
+            publication=publication_id,
+            store=self.store.name,
+            layers=refs,
+            base=str(layers.shell.base),
+        )
+        self.published += 1
+        return Snapshot(
+            kind=snapshot.kind,
+            path=snapshot.path,
+            bytes=snapshot.bytes,
+            meta={**snapshot.meta, PUBLISHED: publication.to_json()},
+        )
+
     def __repr__(self) -> str:
         return f"PublishedSnapshots({self.inner!r}, {self.store!r})"
 
 
+class _LayerPublisher:
+    """The shell half of ``PublishedSnapshots``: a stack is published and fetched layer by layer."""
+
+    def __init__(self, shell: ShellSandboxFactory, store: BlobStore, cache: LayerCache) -> None:
+        self.shell = shell
+        self.store = store
+        self.cache = cache
+
+    def publish(self, snapshot: Snapshot, publication: str) -> tuple[LayerRef, ...]:
+        """Take one store reference per layer of the snapshot's stack for ``publication``, uploading only the
+        layers the store does not hold yet; returns the stack's layer addresses, newest first."""
+        layers = self.shell.store.lookup(list(snapshot.meta[LAYERS]), acquire=True)  # held while packing
+        if layers is None:
+            raise SandboxError(f"snapshot {snapshot.path} lost its layers before it was published; it is dropped")
+        try:
+            refs, packed = self._address(layers)
+            try:
+                self._upload(refs, packed, layers, publication)
+            except BaseException:
+                for digest in dict.fromkeys(ref.digest for ref in refs):
+                    with contextlib.suppress(Exception):  # the store may be what failed; the first error is the news
+                        self.store.release(digest, publication)
+                raise
+            return refs
+        finally:
+            self.shell.store.release(layers)
+
+    def _address(self, layers: list[Layer]) -> tuple[tuple[LayerRef, ...], dict[str, bytes]]:
+        """Each layer's address, packing only the layers this process has not packed before (the new top layer,
+        or a squash): returns the addresses and the archives packed now."""
+        refs: list[LayerRef] = []
+        packed: dict[str, bytes] = {}
+        for layer in layers:
+            digest = self.cache.digest_of(layer)
+            if digest is None:
+                data = pack_layer(layer.path)
+                digest = blob_digest(data)
+                self.cache.remember(layer, digest)
+                packed[digest] = data
+            refs.append(LayerRef(digest=digest, squashed=layer.squashed))
+        return tuple(refs), packed
+
+    def _upload(
+        self, refs: tuple[LayerRef, ...], packed: dict[str, bytes], layers: list[Layer], publication: str
+    ) -> None:
+        """Reference the layers the store holds already (one call), upload the others."""
+        paths = {ref.digest: layer.path for ref, layer in zip(refs, layers, strict=True)}
+        known = [digest for digest in paths if digest not in packed]
+        lost = self.store.retain(known, publication) if known else []
+        for digest in lost:  # released by every publication since, or lost with a node: upload it again
+            data = pack_layer(paths[digest])
+            if blob_digest(data) != digest:
+                raise SandboxError(f"layer {paths[digest]} changed after it was published")
+            packed[digest] = data
+        for digest, data in packed.items():
+            self.store.put(digest, data, publication)
+        self.cache.shared += len(known) - len(lost)
+        self.cache.uploaded += len(packed)
+
+    def pin(self, snapshot: Snapshot, publication: Publication) -> list[Layer]:
+        """The snapshot's stack as layers of this process, each with a reference for the caller: its own layers
+        where it was made, else layers found in the cache or fetched, verified and unpacked now."""
+        if publication.base != str(self.shell.base):
+            raise SandboxError(
+                f"the snapshot's layers lie over {publication.base}, this factory's base is {self.shell.base}; "
+                "the state will be rebuilt by replay"
+            )
+        local = self.shell.store.lookup(list(snapshot.meta.get(LAYERS, [])), acquire=True)
+        if local is not None:
+            return local
+        pinned: list[Layer] = []
+        try:
+            for ref in publication.layers:
+                layer = self.cache.acquire(ref)
+                if layer is None:
+                    layer = self.cache.add(ref, fetch_verified(self.store, ref.digest))
+                pinned.append(layer)
+        except BaseException:
+            self.shell.store.release(pinned)
+            raise
+        return pinned
+
+
+async def _undone_if_cancelled(work: Callable[[], T], undo: Callable[[T], object]) -> T:
+    """Run blocking ``work`` in a thread. If the caller is cancelled meanwhile, the work still finishes and its
+    result is undone, so that the references it took (layers, store blobs) are not left behind."""
+    running = asyncio.ensure_future(asyncio.to_thread(work))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            undo(await running)
+        raise
+
+
 def _inner_meta(snapshot: Snapshot) -> dict[str, Any]:
     return {key: value for key, value in snapshot.meta.items() if key != PUBLISHED}
+
+
+def _without_publication(snapshot: Snapshot) -> Snapshot:
+    return Snapshot(kind=snapshot.kind, path=snapshot.path, bytes=snapshot.bytes, meta=_inner_meta(snapshot))
 
 
 class _PublishingSandbox(SandboxWrapper):

@@ -105,12 +105,14 @@ async function refresh() {
     $("login").hidden = true;
     $("main").hidden = false;
     $("forget").hidden = !sessionStorage.getItem(TOKEN_KEY);
-    $("server").textContent = `server ${location.host} \u00b7 tvcache ${health.version}`;
+    const where = health.namespace === undefined ? "" : ` \u00b7 Ray namespace ${health.namespace}`;
+    $("server").textContent = `server ${location.host} \u00b7 tvcache ${health.version}${where}`;
     $("since").textContent = "since " + new Date(activity.since * 1000).toLocaleString();
     state.activity = activity;
     const tasks = activity.tasks.map((task) => task.task_id);
     if (!tasks.includes(state.task)) state.task = tasks.length ? tasks[0] : null;
     renderCards(stats);
+    renderShards(stats);
     renderTasks(activity);
     renderEpochs(activity);
     await refreshGraph();
@@ -163,12 +165,50 @@ function renderCards(stats) {
   );
 }
 
+// Only `tvcache ray dashboard` sends `shards` (its shard actors, each up or down with a message); a plain
+// `tvcache serve` does not, and then there is no shard table and no warning.
+function renderShards(stats) {
+  const shards = Array.isArray(stats.shards) ? stats.shards : null;
+  const down = shards ? shards.filter((shard) => !shard.up) : [];
+  const warning = $("shard-warning");
+  warning.textContent = down.length ? stats.message || `${down.length} of ${shards.length} shards down` : "";
+  warning.hidden = !down.length;
+  $("shards-section").hidden = !shards;
+  const dash = "\u2013";
+  const rows = (shards || []).map((shard) => {
+    const own = shard.stats || {};
+    const count = (key) => el("td", { class: "num", "data-field": key }, shard.up ? own[key] ?? dash : dash);
+    const started = shard.started ? "started " + new Date(shard.started * 1000).toLocaleString() : "";
+    return el(
+      "tr",
+      { class: shard.up ? "up" : "down", "data-shard": shard.name, "data-up": String(shard.up) },
+      el("td", { class: "mono" }, shard.name),
+      el("td", { class: shard.up ? "up" : "down", "data-field": "status" }, shard.up ? (shard.restarted ? "up (restarted)" : "up") : "down"),
+      el("td", { "data-field": "node", title: shard.node_id ? "Ray node " + shard.node_id : "" }, shard.node_ip || (shard.node_id ? shard.node_id.slice(0, 12) : dash)),
+      el("td", { class: "num" }, shard.pid ?? dash),
+      count("tasks"),
+      count("nodes"),
+      count("hits"),
+      count("misses"),
+      el("td", { class: "message", "data-field": "message" }, shard.up ? started : shard.message || "down"),
+    );
+  });
+  $("shards").tBodies[0].replaceChildren(...rows);
+}
+
 function renderTasks(activity) {
+  // Rows from `tvcache ray dashboard` carry the shard that holds the task: show it in its own column.
+  const sharded = activity.tasks.some((task) => task.shard !== undefined);
+  document.querySelector("#tasks th[data-column=shard]").hidden = !sharded;
   const rows = activity.tasks.map((task) => {
+    const shard = sharded
+      ? [el("td", { class: "mono", "data-field": "shard", title: task.node_ip ? "on " + task.node_ip : "" }, task.shard ?? "\u2013")]
+      : [];
     const row = el(
       "tr",
       { class: "task-row" + (task.task_id === state.task ? " selected" : ""), "data-task": task.task_id, title: task.task_id },
       el("td", { class: "task-id" }, task.task_id),
+      ...shard,
       el("td", { class: "num" }, task.nodes),
       el("td", { class: "num" }, task.snapshots),
       el("td", { class: "num", "data-field": "hits" }, task.total.hits),
@@ -328,12 +368,14 @@ function renderSavedChart(task) {
 async function refreshGraph() {
   if (state.task === null) {
     $("graph").replaceChildren();
+    delete $("graph").dataset.task;
     $("graph-info").textContent = "No task has been cached yet.";
     return;
   }
   const task = state.activity.tasks.find((t) => t.task_id === state.task);
   if (!task || task.nodes === 0) {
     $("graph").replaceChildren();
+    delete $("graph").dataset.task;
     $("graph-info").textContent = "This task has traffic but no cached calls.";
     return;
   }
@@ -438,6 +480,7 @@ function drawGraph(outline) {
     shapes.append(group);
   }
   target.replaceChildren(edges, shapes);
+  target.dataset.task = outline.task_id; // which task is drawn (the graphs of two tasks can look alike)
   state.bounds = { x: 0, y: 0, w: maxX + DX, h: maxY + PAD };
   state.rootY = byId.get(0) ? byId.get(0).y : 0;
   if (!state.view) fitView();

@@ -1,0 +1,248 @@
+"""Shell sandbox layers as content-addressed blobs: a canonical archive of one overlay layer, and the layers of
+this process by content address.
+
+A shell snapshot is a stack of overlay layers (``tvcache.sandboxes.layers``); ``PublishedSnapshots`` publishes
+each layer as its own blob, so a stack shares its lower layers with the publications of its parent snapshots.
+
+**The archive** is a POSIX (PAX) tar of the layer directory made by GNU tar (``--xattrs``; Python's ``tarfile``
+neither reads nor restores extended attributes, and is 5x slower on layers of many small files), in one
+canonical form: entries sorted by name, numeric owners only, no access or change times, fixed extended-header
+names (GNU tar's default names hold its pid), modification times to the nanosecond (``make`` compares them).
+Every extended attribute is kept (``SCHILY.xattr.<name>`` records) but overlay's bookkeeping about the
+publishing node's own inodes: ``origin``, ``uuid``, ``impure``, ``nlink`` (file handles and caches that overlay
+reads only from an upper layer, never from a lower one, which is all a layer ever is again). So whiteouts
+(character devices 0/0), opaque directories (``trusted.overlay.opaque``; ``user.overlay.opaque`` on a mount with
+``userxattr``), redirects, symlinks, modes, owners, ACLs, hard links, FIFOs and empty directories come through.
+Equal contents give equal bytes (inode numbers and change times are not in the archive), and the blob's
+BLAKE2b-256 digest addresses the content. Unpacking checks nothing but lets GNU tar refuse what would land
+outside the layer (``..`` in names, writing through a symlink): the blob's digest was verified before.
+
+**The cache** (``LayerCache``) maps content addresses to live layers of this process's ``LayerStore``: the
+layers it published (their digest is computed once) and the layers it fetched. A fetched layer is unpacked
+into a new layer directory of the store and held by one cache reference, so later forks in this process reuse
+it; the cache is bounded by bytes and gives up its reference on the least recently used layers that nothing
+else holds. A layer is deleted only when its last reference goes, so a sandbox or a snapshot using a layer
+never loses it to the cache's eviction.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ...errors import SandboxError
+from ...sandboxes._process import FIXED_PATH
+from ...sandboxes.layers import Layer, LayerStore
+
+__all__ = ["LayerCache", "LayerRef", "pack_layer", "require_gnu_tar", "unpack_layer"]
+
+OVERLAY_NAMESPACES = ("trusted.overlay.", "user.overlay.")
+LOCAL_OVERLAY_XATTRS = ("origin", "uuid", "impure", "nlink")
+CREATE = (
+    "--create",
+    "--format=posix",
+    "--sort=name",
+    "--numeric-owner",
+    "--xattrs",
+    "--xattrs-include=*",
+    *(f"--xattrs-exclude={namespace}{name}" for namespace in OVERLAY_NAMESPACES for name in LOCAL_OVERLAY_XATTRS),
+    "--pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime",
+)
+EXTRACT = ("--extract", "--xattrs", "--xattrs-include=*", "--numeric-owner", "--same-owner", "--same-permissions")
+_ENVIRONMENT = {"PATH": FIXED_PATH, "LC_ALL": "C"}  # byte order for --sort=name, untranslated errors
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerRef:
+    """One layer of a published stack: its content address, and whether it is a squash of a whole stack (it
+    then replaces the base tree instead of lying above it)."""
+
+    digest: str
+    squashed: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"digest": self.digest, "squashed": self.squashed}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LayerRef:
+        return cls(digest=str(data["digest"]), squashed=bool(data.get("squashed", False)))
+
+
+# ---------------------------------------------------------------------------------------------- archive
+
+
+@functools.cache
+def require_gnu_tar() -> str:
+    """The path of GNU tar (1.28 or later, for ``--sort``); SandboxError naming the fix when there is none."""
+    tar = shutil.which("tar", path=FIXED_PATH)
+    version = ""
+    if tar is not None:
+        result = subprocess.run([tar, "--version"], capture_output=True, text=True, env=_ENVIRONMENT, check=False)
+        version = result.stdout.partition("\n")[0]
+    if tar is None or "GNU tar" not in version:
+        raise SandboxError(
+            f"publishing shell sandbox layers needs GNU tar on every node (found {version or 'no tar'} in "
+            f"{FIXED_PATH}); install it (apt-get install tar) or keep shell snapshots node-local"
+        )
+    return tar
+
+
+def pack_layer(path: Path) -> bytes:
+    """The layer at ``path`` as a canonical PAX tar (see the module docstring)."""
+    result = subprocess.run(
+        [require_gnu_tar(), *CREATE, "--file=-", f"--directory={path}", "."],
+        capture_output=True,
+        env=_ENVIRONMENT,
+        check=False,
+    )
+    if result.returncode != 0:  # 1 is "a file changed while read": never right for a frozen layer
+        raise SandboxError(f"cannot pack the layer {path}: {_errors(result.stderr)}")
+    return result.stdout
+
+
+def unpack_layer(data: bytes, dest: Path) -> None:
+    """Unpack an archive made by ``pack_layer`` into ``dest`` (which must not exist), owners, modes, times and
+    extended attributes included (which takes root, as overlay mounts do)."""
+    dest.mkdir()
+    result = subprocess.run(
+        [require_gnu_tar(), *EXTRACT, "--file=-", f"--directory={dest}"],
+        input=data,
+        capture_output=True,
+        env=_ENVIRONMENT,
+        check=False,
+    )
+    if result.returncode != 0:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise SandboxError(f"cannot unpack a published layer into {dest}: {_errors(result.stderr)}")
+
+
+def _errors(stderr: bytes) -> str:
+    return stderr.decode(errors="replace").strip()[-500:] or "GNU tar failed without a message"
+
+
+# ---------------------------------------------------------------------------------------------- cache
+
+
+class LayerCache:
+    """This process's layers by content address: those it published and those it fetched (module docstring).
+
+    ``fetched``/``reused`` count layers unpacked here and layers found here by a fork; ``uploaded``/``shared``
+    count layers a publication sent to the store and layers it only referenced because the store held them.
+    """
+
+    def __init__(self, layers: LayerStore, *, max_bytes: int = 1024**3) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.layers = layers
+        self.max_bytes = max_bytes
+        self.fetched = 0
+        self.reused = 0
+        self.uploaded = 0
+        self.shared = 0
+        self._lock = threading.Lock()
+        self._paths: dict[LayerRef, str] = {}  # content -> the path of a layer holding it (maybe deleted since)
+        self._digests: dict[str, str] = {}  # layer path -> its content digest
+        self._held: OrderedDict[str, Layer] = OrderedDict()  # fetched layers we hold a reference on, LRU first
+
+    def digest_of(self, layer: Layer) -> str | None:
+        """The content digest of a layer published or fetched here before (None: pack it to know)."""
+        with self._lock:
+            return self._digests.get(str(layer.path))
+
+    def remember(self, layer: Layer, digest: str) -> None:
+        """Record a layer of this process as holding ``digest``'s content (after packing it)."""
+        path = str(layer.path)
+        with self._lock:
+            self._prune()
+            self._digests[path] = digest
+            self._paths.setdefault(LayerRef(digest=digest, squashed=layer.squashed), path)
+
+    def acquire(self, ref: LayerRef) -> Layer | None:
+        """A live layer of this process with ``ref``'s content, with a reference taken for the caller (who
+        releases it through the layer store), or None when there is none."""
+        with self._lock:
+            path = self._paths.get(ref)
+            if path is None:
+                return None
+            found = self.layers.lookup([path], acquire=True)  # atomic: a concurrent release cannot delete it
+            if found is None:
+                del self._paths[ref]
+                return None
+            if path in self._held:
+                self._held.move_to_end(path)
+            self.reused += 1
+            return found[0]
+
+    def add(self, ref: LayerRef, data: bytes) -> Layer:
+        """Unpack a fetched, verified blob as a new layer of this process; the cache keeps one reference and the
+        caller gets another."""
+        path = self.layers.new_layer_path(squashed=ref.squashed)
+        unpack_layer(data, path)
+        layer = self.layers.adopt(path)
+        self.layers.acquire([layer, layer])
+        with self._lock:
+            self._paths[ref] = str(path)
+            self._digests[str(path)] = ref.digest
+            self._held[str(path)] = layer
+            self.fetched += 1
+            self._evict()
+        return layer
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(layer.bytes for layer in self._held.values())
+
+    def check_invariants(self) -> None:
+        """Verify that every held layer is live in the store with our reference on it and a known digest, and
+        that every known content maps to a layer; raise SandboxError on the first violation. (The byte budget
+        is enforced when a layer is added: layers released by sandboxes since may exceed it until then.)"""
+        with self._lock:
+            live = {str(layer.path): layer for layer in self.layers.live_layers()}
+            for path, layer in self._held.items():
+                if live.get(path) is not layer or layer.refs < 1:
+                    raise SandboxError(f"layer cache holds {path}, which its store no longer has (refs {layer.refs})")
+                if self._digests.get(path) is None:
+                    raise SandboxError(f"layer cache holds {path} without knowing its digest")
+            for ref, path in self._paths.items():
+                if self._digests.get(path) != ref.digest:
+                    raise SandboxError(f"layer cache maps {ref.digest[:16]} to {path}, which holds other content")
+
+    def _evict(self) -> None:
+        """Free least recently used layers until the held bytes fit. A layer whose only reference is ours can
+        only be reached through this cache (whose lock we hold), so releasing it deletes it now; layers that
+        sandboxes or snapshots hold as well are skipped: they free nothing yet."""
+        total = sum(layer.bytes for layer in self._held.values())
+        for path, layer in list(self._held.items()):
+            if total <= self.max_bytes:
+                break
+            if layer.refs > 1:
+                continue
+            del self._held[path]
+            self._forget(path)
+            self.layers.release([layer])
+            total -= layer.bytes
+
+    def _prune(self) -> None:
+        """Forget layers deleted since (their last user let go): keeps the maps as small as the store."""
+        live = {str(layer.path) for layer in self.layers.live_layers()}
+        for path in [path for path in self._digests if path not in live]:
+            self._forget(path)
+
+    def _forget(self, path: str) -> None:
+        digest = self._digests.pop(path, None)
+        if digest is None:
+            return
+        for squashed in (False, True):
+            ref = LayerRef(digest=digest, squashed=squashed)
+            if self._paths.get(ref) == path:
+                del self._paths[ref]
+
+    def __repr__(self) -> str:
+        return f"<LayerCache layers={len(self._digests)} held={len(self._held)} fetched={self.fetched}>"
