@@ -662,3 +662,22 @@ def test_cancelled_calls_stop_their_work_and_leave_the_sandbox_usable(tmp_path: 
         await folder.stop()
 
     run(main())
+
+
+def test_folder_copies_keep_hard_links_so_forks_behave_like_the_original(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    factory = FolderSandbox.factory(base)
+
+    async def main() -> tuple[str, str]:
+        live = await factory.start()
+        await live.execute(ToolCall("sh", {"cmd": "echo a > f && ln f g"}))
+        snapshot = await live.snapshot(tmp_path / "snap")
+        fork = await factory.fork(snapshot)
+        after = ToolCall("sh", {"cmd": "echo b >> f && cat g && stat -c %h g"})
+        outputs = (await live.execute(after)).output, (await fork.execute(after)).output
+        await live.stop()
+        await fork.stop()
+        return outputs
+
+    assert asyncio.run(main()) == ("a\nb\n2\n", "a\nb\n2\n")

@@ -450,6 +450,7 @@ def test_hard_links_made_in_a_rollout_behave_as_in_uncached_execution(tmp_path: 
         warnings.simplefilter("error")  # declining a snapshot is not worth a warning
         first, branch, truth = asyncio.run(main())
     cache.close()
+    assert cache.stats().snapshots_declined > 0
     assert first == truth == ["", "", "a\nb\n", "2\n"]
     assert branch == ["", "a\n", "", "a\nb\n", "2\n"]
 
@@ -469,6 +470,63 @@ def test_a_sandbox_declines_to_snapshot_hard_links_it_made_and_keeps_working(tmp
             await sandbox.stop()
 
     assert asyncio.run(main()) == "a\nb\n"
+
+
+def three_ways(factory: ShellSandboxFactory, before: str, after: str, snap: Path) -> tuple[str, str, str]:
+    """``after``'s output uncached, in the sandbox that snapshotted after ``before``, and in a fork of that."""
+
+    async def main() -> tuple[str, str, str]:
+        fresh = await factory.start()
+        await fresh.execute(sh(before))
+        uncached = (await fresh.execute(sh(after))).output
+        await fresh.stop()
+        live = await factory.start()
+        await live.execute(sh(before))
+        snapshot = await live.snapshot(snap)
+        continued = (await live.execute(sh(after))).output
+        await live.stop()
+        fork = await factory.fork(snapshot)
+        forked = (await fork.execute(sh(after))).output
+        await fork.stop()
+        return uncached, continued, forked
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        # a directory made before a snapshot lies in a lower layer after it: renaming it needs overlay redirects
+        ("mkdir -p pkg && echo x > pkg/m.py", 'python3 -c \'import os; os.rename("pkg", "lib")\' 2>&1; ls'),
+        # overlay shows the root with the upper root's attributes: a fresh upper must inherit them
+        ("chmod 700 . && chown 65534 . && touch -d 2001-01-01 .", "stat -c '%a %u %y' ."),
+        ("echo x > f", "find . -maxdepth 0 -newer f | wc -l"),
+    ],
+)
+def test_a_snapshot_and_its_forks_behave_like_the_sandbox_that_never_snapshotted(
+    tmp_path: Path, before: str, after: str
+) -> None:
+    uncached, continued, forked = three_ways(factory_for(tmp_path), before, after, tmp_path / "snap")
+    assert continued == uncached
+    assert forked == uncached
+    assert "error" not in uncached.lower()
+
+
+@pytest.mark.parametrize("links", ["mkfifo p && ln p q", "ln -s target p && ln p q", "echo a > f && ln f g"])
+def test_hard_links_of_any_kind_made_in_a_sandbox_are_not_snapshotted(tmp_path: Path, links: str) -> None:
+    """overlay splits a lower inode's names on copy-up (a chmod through one name would not show through the other)."""
+    factory = factory_for(tmp_path)
+
+    async def main() -> None:
+        sandbox = await factory.start()
+        await sandbox.execute(sh(f"{links} && mkdir d && rm a.txt"))  # the whiteout of a.txt is no hard link
+        with pytest.raises(SnapshotDeclined, match="hard links"):
+            await sandbox.snapshot(tmp_path / "snap")
+        await sandbox.execute(sh("rm -f q g"))
+        await sandbox.snapshot(tmp_path / "snap")  # one name left: nothing to split
+        await sandbox.stop()
+
+    asyncio.run(main())
 
 
 def test_a_bad_timeout_is_a_clear_error_and_keeps_the_sandbox(tmp_path: Path) -> None:

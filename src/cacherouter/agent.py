@@ -196,7 +196,7 @@ class Agent:
             text = "I could not finish this task with the tools available, and will not guess the result."
         if UNCERTAIN not in text:
             text = f"{UNCERTAIN} {text}"
-        new.append({"role": "assistant", "content": text})
+        new.append(reply.assistant_message())  # the model's bytes, for the cache; the user sees ``text``
         return text
 
     def _run_calls(

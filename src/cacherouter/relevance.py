@@ -14,7 +14,6 @@ too, and dropped: it ranked worse than dense alone, because BM25's matches on pa
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import re
@@ -43,6 +42,11 @@ def terms(text: str) -> list[str]:
     """Lower-cased word terms, snake/kebab/camel names split, stop words dropped."""
     spaced = re.sub(r"([a-z])([A-Z])", r"\1 \2", text).replace("_", " ").replace("-", " ")
     return [t for t in _WORD.findall(spaced.lower()) if t not in _STOP]
+
+
+def names_tool(query: str, name: str) -> bool:
+    """Whether ``query`` names the tool as a word of its own ("weatherproof" does not name ``weather``)."""
+    return re.search(rf"(?<![a-z0-9_]){re.escape(name.lower())}(?![a-z0-9_])", query.lower()) is not None
 
 
 class Ranker(Protocol):
@@ -91,7 +95,6 @@ class BM25:
         avg = sum(lengths) / len(lengths) or 1.0
         df = Counter(term for doc in docs for term in doc)
         n = len(tools)
-        lowered = query.lower()
         scored = []
         for tool, doc, length in zip(tools, docs, lengths, strict=True):
             score = 0.0
@@ -101,7 +104,7 @@ class BM25:
                     continue
                 idf = math.log(1 + (n - df[term] + 0.5) / (df[term] + 0.5))
                 score += idf * tf * (self.k1 + 1) / (tf + self.k1 * (1 - self.b + self.b * length / avg))
-            if tool.name.lower() in lowered:
+            if names_tool(query, tool.name):
                 score += self.name_boost  # exact tool name in the task: the strongest possible signal
             else:
                 name_terms = set(terms(tool.name))
@@ -152,10 +155,9 @@ class DenseRelevance:
             return []
         matrix = self.tool_matrix(tools)
         scores = matrix @ self._unit_rows([query])[0]
-        lowered = query.lower()
         scored = []
         for score, tool in zip(scores, tools, strict=True):
-            if tool.name.lower() in lowered:
+            if names_tool(query, tool.name):
                 scored.append((float(score) + 1.0, tool))  # named outright: above any cosine, as in BM25
             elif score > self.min_score:
                 scored.append((float(score), tool))
@@ -233,10 +235,17 @@ def _import_wordllama() -> Any:
     return wordllama
 
 
-@functools.cache
+_SHARED_DENSE: list[DenseRelevance] = []
+_SHARED_DENSE_LOCK = threading.Lock()
+
+
 def shared_dense() -> DenseRelevance:
-    """One process-wide dense ranker on the default embedder, so the model loads and a registry embeds once."""
-    return DenseRelevance(WordLlamaEmbedder())
+    """One process-wide dense ranker on the default embedder, so the model loads and a registry embeds once
+    (under a lock: routers built at the same time must not load the model twice)."""
+    with _SHARED_DENSE_LOCK:
+        if not _SHARED_DENSE:
+            _SHARED_DENSE.append(DenseRelevance(WordLlamaEmbedder()))
+        return _SHARED_DENSE[0]
 
 
 def best_available() -> Ranker:

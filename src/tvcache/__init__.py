@@ -33,18 +33,25 @@ from .policies import AlwaysSnapshot, Budget, CostAwareSnapshots, CostModel, Low
 from .protocol import Outcome, Sandbox, SandboxFactory, Snapshot
 from .results import AuditFinding, CacheStats, ToolResult
 from .session import Session, SessionStats, SyncSession, TestResult
+from .snapshots import BlobStore, DirectoryStore
 
 if TYPE_CHECKING:
     from .client import RemoteCache, ShardedCache
+    from .sandboxes.published import PublishedSnapshots
 
 __version__ = "0.1.0"
 
-_CLIENTS = {"RemoteCache": "tvcache.client", "ShardedCache": "tvcache.client"}
+_LAZY = {
+    "RemoteCache": "tvcache.client",
+    "ShardedCache": "tvcache.client",
+    "PublishedSnapshots": "tvcache.sandboxes.published",
+}
 
 
 def __getattr__(name: str) -> object:
-    """``RemoteCache`` and ``ShardedCache`` are imported on first use: they need the ``server`` extra."""
-    module = _CLIENTS.get(name)
+    """Imported on first use: ``RemoteCache`` and ``ShardedCache`` need the ``server`` extra, and
+    ``PublishedSnapshots`` the sandbox backends (the core imports none)."""
+    module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tvcache' has no attribute {name!r}")
     import importlib
@@ -57,11 +64,13 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "AlwaysSnapshot",
     "AuditFinding",
+    "BlobStore",
     "Budget",
     "Cache",
     "CacheStats",
     "CostAwareSnapshots",
     "CostModel",
+    "DirectoryStore",
     "InvalidInput",
     "InvalidTaskId",
     "InvalidToolCall",
@@ -74,6 +83,7 @@ __all__ = [
     "Node",
     "NondeterminismWarning",
     "Outcome",
+    "PublishedSnapshots",
     "RemoteCache",
     "ReplayError",
     "Sandbox",

@@ -26,6 +26,7 @@ from .journal import Journal
 from .policies import Budget, CostAwareSnapshots, CostModel, EvictionPolicy, LowReuseFirst, SnapshotPolicy
 from .protocol import Outcome, SandboxFactory, Snapshot, discard_snapshot_files
 from .results import AuditFinding, CacheStats
+from .snapshots.publication import publication_available
 
 if TYPE_CHECKING:
     from .session import Session, SyncSession
@@ -41,6 +42,7 @@ _COUNTERS = (
     "sandboxes_started",
     "sandboxes_forked",
     "snapshots_taken",
+    "snapshots_declined",
     "snapshots_evicted",
     "calls_replayed",
     "audits",
@@ -538,7 +540,8 @@ class Cache:
         elif kind == "s":
             snapshot = Snapshot.from_json(record["snap"])
             node = graph.node(record["id"])
-            usable = snapshot.exists() or not self._verify_snapshots  # snapshots whose files are gone are dropped
+            # Snapshots whose data is gone are dropped; a published one's data may live on in its store.
+            usable = not self._verify_snapshots or snapshot.exists() or publication_available(snapshot)
             if usable and node.snapshot is None:
                 graph.attach_snapshot(node, snapshot)
         elif kind == "x":

@@ -63,6 +63,7 @@ class CacheStats:
     sandboxes_started: int
     sandboxes_forked: int
     snapshots_taken: int
+    snapshots_declined: int  # states a backend could not freeze exactly (e.g. hard links in an overlay)
     snapshots_evicted: int
     calls_replayed: int
     audits: int

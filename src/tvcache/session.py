@@ -413,7 +413,8 @@ class Session:
         try:
             snapshot = await sandbox.snapshot(dest)
         except SnapshotDeclined:
-            return  # this state cannot be frozen exactly; it is rebuilt by replay when needed
+            self.cache._count("snapshots_declined")  # this state is rebuilt by replay when needed
+            return
         except Exception as error:  # a failed snapshot costs reuse, never correctness
             warnings.warn(
                 f"task {self.task_id!r}: snapshot of node {node.id} failed: {error!r}",

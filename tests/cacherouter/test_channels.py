@@ -112,6 +112,7 @@ def test_errors_penalty_deep_thinking_and_honest_fallback(tmp_path):
     assert answer.errors == answer.rounds == 3  # implicit errors: each round costs two of the 6-round budget
     assert answer.deep_thinking
     assert any(str(m["content"]).startswith("[RE-PLAN]") for m in session.full)
+    assert session.full[-1]["content"] == "The city is unknown."  # history keeps the model's bytes
 
 
 def test_slow_execution_triggers_deep_thinking(tmp_path):

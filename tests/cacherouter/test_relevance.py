@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from support import add_tool, make_repo
 
+from cacherouter import relevance
 from cacherouter.cli import main
 from cacherouter.errors import ConfigError
 from cacherouter.evaluation.longtail import DOMAINS, generate_repository
@@ -23,7 +24,7 @@ from cacherouter.relevance import (
     KeywordHitRatio,
     dense_text,
     make_ranker,
-    shared_dense,
+    names_tool,
     terms,
 )
 from cacherouter.router import RouterConfig, filter_candidates
@@ -129,13 +130,18 @@ def test_make_ranker_names_the_choices_and_the_missing_extra(monkeypatch: pytest
     assert isinstance(make_ranker("keyword"), KeywordHitRatio)
     with pytest.raises(ConfigError, match="choose one of auto, keyword, bm25, dense"):
         make_ranker("tfidf")
-    shared_dense.cache_clear()
+    monkeypatch.setattr(relevance, "_SHARED_DENSE", [])  # no model loaded yet in this process
     monkeypatch.setitem(sys.modules, "wordllama", None)  # what an environment without the package sees
-    try:
-        with pytest.raises(ConfigError, match=r"pip install 'tvcache\[router\]'"):
-            make_ranker("dense")
-    finally:
-        shared_dense.cache_clear()
+    with pytest.raises(ConfigError, match=r"pip install 'tvcache\[router\]'"):
+        make_ranker("dense")
+    assert isinstance(make_ranker("auto"), BM25)  # the router's default falls back
+
+
+def test_the_name_boost_needs_the_name_as_a_word() -> None:
+    assert names_tool("show the weather in Paris", "weather")
+    assert names_tool("run city_weather for Oslo", "city_weather")
+    assert not names_tool("rank jackets by how weatherproof they are", "weather")
+    assert not names_tool("run city_weather_v2", "city_weather")
 
 
 def test_query_set_parses_and_every_label_is_a_registered_tool(longtail: Registry) -> None:

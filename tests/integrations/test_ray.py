@@ -45,9 +45,9 @@ from tvcache.integrations.ray import (  # noqa: E402
     start_shards,
     stop_shards,
 )
-from tvcache.integrations.ray.snapshots import pack, unpack  # noqa: E402
 from tvcache.protocol import SandboxFactory  # noqa: E402
 from tvcache.sandboxes import FolderSandbox, SQLiteSandbox  # noqa: E402
+from tvcache.snapshots import pack, unpack  # noqa: E402
 
 # Ray workers cannot import this test module by name: ship its functions by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

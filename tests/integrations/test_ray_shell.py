@@ -36,11 +36,11 @@ from tvcache.integrations.ray import (  # noqa: E402
     RayObjectStore,
     start_shards,
 )
-from tvcache.integrations.ray.layers import LayerRef, pack_layer, unpack_layer  # noqa: E402
-from tvcache.integrations.ray.snapshots import PUBLISHED  # noqa: E402
 from tvcache.protocol import Sandbox, Snapshot  # noqa: E402
 from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory  # noqa: E402
 from tvcache.sandboxes._linux import overlay_supported  # noqa: E402
+from tvcache.sandboxes.layer_archive import LayerRef, pack_layer, unpack_layer  # noqa: E402
+from tvcache.snapshots import PUBLISHED  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not overlay_supported(), reason="overlay mounts need root on Linux >= 6.8")
 

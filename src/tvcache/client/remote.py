@@ -36,6 +36,7 @@ from ..graph import Lease, Node, ToolCallGraph
 from ..policies import SnapshotPolicy
 from ..protocol import Outcome, SandboxFactory, Snapshot
 from ..session import Session
+from ..snapshots.publication import PUBLISHED
 
 __all__ = ["ClaimLost", "RemoteCache", "ServerError"]
 
@@ -370,8 +371,9 @@ class RemoteCache(Cache):
                 discard(evicted)
 
     def _frees_here(self, snapshot: Snapshot) -> bool:
-        """Whether this client frees an evicted snapshot: only one on this machine (a backend it knows)."""
-        return snapshot.exists()
+        """Whether this client frees an evicted snapshot: one on this machine, or a *published* one (its data is
+        in a shared store, which any client with the backend can release, even after its maker has exited)."""
+        return PUBLISHED in snapshot.meta or snapshot.exists()
 
     def mark_nondeterministic(self, tool: str, reason: str) -> None:
         self._request("POST", "/v1/tools/nondeterministic", {"tool": tool, "reason": reason[:10_000]})

@@ -118,6 +118,10 @@ def mount_overlay(lowers: list[str], upper: str, work: str) -> int:
             _fsconfig_string(fs_fd, b"lowerdir+", lower)
         _fsconfig_string(fs_fd, b"upperdir", upper)
         _fsconfig_string(fs_fd, b"workdir", work)
+        # Renaming a directory that lies in a lower layer fails with EXDEV unless overlay may record the move as
+        # a redirect; without it, a directory the rollout made could be renamed (git mv) until a snapshot froze
+        # it, and not after: cached and uncached runs would differ.
+        _fsconfig_string(fs_fd, b"redirect_dir", "on")
         _check(_syscall(SYS_FSCONFIG, fs_fd, FSCONFIG_CMD_CREATE, None, None, 0), "fsconfig create overlay")
         return _check(_syscall(SYS_FSMOUNT, fs_fd, FSMOUNT_CLOEXEC, 0), "fsmount overlay")
     finally:

@@ -174,9 +174,21 @@ def _remove_tree(path: Path) -> None:
 
 
 def _copy_folder(source: Path, dest: Path) -> None:
-    """Copy a tree keeping symlinks as links and modes and mtimes as they are; dest must not exist."""
+    """Copy a tree keeping symlinks as links, hard links as links (a fork must not split two names of one file)
+    and modes and mtimes as they are; dest must not exist."""
+    copied: dict[tuple[int, int], str] = {}
+
+    def copy_keeping_links(src: str, dst: str) -> str:
+        info = os.lstat(src)
+        if info.st_nlink > 1:
+            first = copied.setdefault((info.st_dev, info.st_ino), dst)
+            if first != dst:
+                os.link(first, dst)
+                return dst
+        return str(shutil.copy2(src, dst))
+
     try:
-        shutil.copytree(source, dest, symlinks=True)
+        shutil.copytree(source, dest, symlinks=True, copy_function=copy_keeping_links)
     except (shutil.Error, OSError) as error:
         _remove_tree(dest)
         raise SandboxError(

@@ -156,6 +156,7 @@ class ShellSandbox:
         self._stopped = False
         self._last_digest: str | None = None
         try:
+            _copy_root_attributes(self._top(), self._upper)
             self._mount()
         except BaseException:
             self._teardown()
@@ -205,6 +206,10 @@ class ShellSandbox:
         )
 
     # ----------------------------------------------------------- mounts
+
+    def _top(self) -> Path:
+        """The tree right below the upper layer: the newest layer, or the base."""
+        return self._stack[0].path if self._stack else self._factory.base
 
     def _lowers(self) -> list[str]:
         lowers = [str(layer.path) for layer in self._stack]
@@ -292,9 +297,9 @@ class ShellSandbox:
             changed = any(True for _ in entries)
         if not changed and self._stack:
             return list(self._stack), 0
-        linked = _hard_linked_file(self._upper)
+        linked = _hard_linked(self._upper)
         if linked is not None:
-            # overlayfs copies a lower file up on its first write, which splits it from its other names; in this
+            # overlayfs copies a lower file up on its first change, which splits it from its other names; in this
             # live sandbox the names share one upper inode. A fork would let them diverge where this does not.
             raise SnapshotDeclined(
                 f"{linked} has hard links made in this sandbox, which overlayfs would split in a fork; "
@@ -307,6 +312,7 @@ class ShellSandbox:
         self._upper, self._work = self._store.new_upper()
         if len(self._stack) > self._factory.max_layers:
             self._squash()
+        _copy_root_attributes(self._top(), self._upper)
         self._mount()
         self._last_digest = None
         return list(self._stack), layer.bytes
@@ -376,15 +382,31 @@ class ShellSandbox:
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
 
-def _hard_linked_file(upper: Path) -> str | None:
-    """A regular file of ``upper`` with more than one name, relative to it, or None."""
-    for directory, _, files in os.walk(upper):
-        for name in files:
-            path = os.path.join(directory, name)
-            info = os.lstat(path)
-            if info.st_nlink > 1 and stat.S_ISREG(info.st_mode):
-                return os.path.relpath(path, upper)
+def _hard_linked(upper: Path) -> str | None:
+    """A non-directory of ``upper`` with more than one name (files, FIFOs, symlinks...), relative to it, or None.
+    Whiteouts (character devices 0/0) are skipped: overlay makes every whiteout a link of one shared inode."""
+    pending = [str(upper)]
+    while pending:
+        with os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                info = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(info.st_mode):
+                    pending.append(entry.path)
+                elif info.st_nlink > 1 and not (stat.S_ISCHR(info.st_mode) and info.st_rdev == 0):
+                    return os.path.relpath(entry.path, upper)
     return None
+
+
+def _copy_root_attributes(source: Path, upper: Path) -> None:
+    """overlayfs shows the sandbox root with the upper root's owner, mode, times and user xattrs; a fresh upper
+    must carry those of the tree below it, or every snapshot and fork would reset them (``find -newer``)."""
+    info = os.lstat(source)
+    os.chown(upper, info.st_uid, info.st_gid)
+    os.chmod(upper, stat.S_IMODE(info.st_mode))
+    for name in os.listxattr(source, follow_symlinks=False):
+        if name.startswith("user."):
+            os.setxattr(upper, name, os.getxattr(source, name, follow_symlinks=False))
+    os.utime(upper, ns=(info.st_atime_ns, info.st_mtime_ns))
 
 
 def _confine(mount_fd: int, base: Path, *, rootfs: bool) -> Callable[[], None]:

@@ -18,8 +18,10 @@ then, in any rollout worker of the cluster (a Ray task or actor on any node)::
 ``RayCache`` has the session API of ``Cache``, ``RemoteCache`` and ``ShardedCache``; replacing a
 ``ShardedCache([urls])`` by a ``RayCache()`` is the only change a worker needs (``shards``: the same shards
 behind the HTTP server's code, see ``shards``). ``PublishedSnapshots`` lets a rollout on one node fork a snapshot
-made on another (``snapshots``). ``serve_dashboard`` (``tvcache ray dashboard``) serves the dashboard and Prometheus
-``/metrics`` of ``tvcache serve`` for the shards, merged over them (``dashboard``).
+made on another (``snapshots``: ``RayObjectStore`` and the Ray node identity; the rest is Ray-free core, re-exported
+here: ``tvcache.snapshots``, ``tvcache.sandboxes.published``). ``serve_dashboard`` (``tvcache ray dashboard``)
+serves the dashboard and Prometheus ``/metrics`` of ``tvcache serve`` for the shards, merged over them
+(``dashboard``).
 """
 
 from __future__ import annotations

@@ -38,12 +38,10 @@ from ...client.remote import RemoteCache, ServerError
 from ...client.sharding import ShardRouter
 from ...errors import InvalidInput, JournalError, TVCacheError
 from ...policies import Budget
-from ...protocol import Snapshot
 from ...server import models as m
 from ...server.app import Server, ServerSettings
 from ...server.metrics import Histogram, render
 from ...server.service import CacheService, NotFound
-from .snapshots import PUBLISHED
 
 __all__ = [
     "DEFAULT_NAMESPACE",
@@ -382,11 +380,6 @@ class RayShardClient(RemoteCache):
                 raise InvalidInput(message)
             raise ServerError(status, message)
         return payload
-
-    def _frees_here(self, snapshot: Snapshot) -> bool:
-        """Evicted *published* snapshots are released wherever they were made: their data lives in a shared
-        store, not (only) in a file on this machine."""
-        return PUBLISHED in snapshot.meta or super()._frees_here(snapshot)
 
     def shard_info(self) -> dict[str, Any]:
         info: dict[str, Any] = ray.get(self.actor.info.remote(), timeout=self._timeout)

@@ -1,8 +1,9 @@
 """Shell sandbox layers as content-addressed blobs: a canonical archive of one overlay layer, and the layers of
 this process by content address.
 
-A shell snapshot is a stack of overlay layers (``tvcache.sandboxes.layers``); ``PublishedSnapshots`` publishes
-each layer as its own blob, so a stack shares its lower layers with the publications of its parent snapshots.
+A shell snapshot is a stack of overlay layers (``tvcache.sandboxes.layers``); ``PublishedSnapshots``
+(``tvcache.sandboxes.published``) publishes each layer as its own blob, so a stack shares its lower layers with
+the publications of its parent snapshots.
 
 **The archive** is a POSIX (PAX) tar of the layer directory made by GNU tar (``--xattrs``; Python's ``tarfile``
 neither reads nor restores extended attributes, and is 5x slower on layers of many small files), in one
@@ -32,14 +33,12 @@ import shutil
 import subprocess
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from ...errors import SandboxError
-from ...sandboxes._process import FIXED_PATH
-from ...sandboxes.layers import Layer, LayerStore
+from ..errors import SandboxError
+from ..snapshots.publication import LayerRef
+from ._process import FIXED_PATH
+from .layers import Layer, LayerStore
 
 __all__ = ["LayerCache", "LayerRef", "pack_layer", "require_gnu_tar", "unpack_layer"]
 
@@ -59,22 +58,6 @@ EXTRACT = ("--extract", "--xattrs", "--xattrs-include=*", "--numeric-owner", "--
 _ENVIRONMENT = {"PATH": FIXED_PATH, "LC_ALL": "C"}  # byte order for --sort=name, untranslated errors
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LayerRef:
-    """One layer of a published stack: its content address, and whether it is a squash of a whole stack (it
-    then replaces the base tree instead of lying above it)."""
-
-    digest: str
-    squashed: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {"digest": self.digest, "squashed": self.squashed}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> LayerRef:
-        return cls(digest=str(data["digest"]), squashed=bool(data.get("squashed", False)))
-
-
 # ---------------------------------------------------------------------------------------------- archive
 
 
@@ -88,8 +71,8 @@ def require_gnu_tar() -> str:
         version = result.stdout.partition("\n")[0]
     if tar is None or "GNU tar" not in version:
         raise SandboxError(
-            f"publishing shell sandbox layers needs GNU tar on every node (found {version or 'no tar'} in "
-            f"{FIXED_PATH}); install it (apt-get install tar) or keep shell snapshots node-local"
+            f"publishing shell sandbox layers needs GNU tar wherever they are forked (found {version or 'no tar'} "
+            f"in {FIXED_PATH}); install it (apt-get install tar) or keep shell snapshots process-local"
         )
     return tar
 
