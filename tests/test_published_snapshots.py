@@ -331,6 +331,42 @@ def test_sqlite_and_folder_snapshots_are_forked_from_the_store_after_a_restart(k
     assert rollout["outputs"] == uncached(reference, steps + look)
 
 
+def test_the_session_weighs_local_and_fetching_forks_apart(tmp_path: Path) -> None:
+    """After a slow fetch, a snapshot whose data this process already holds is still forked, not replayed."""
+    source = tmp_path / "app.db"
+    with sqlite3.connect(source) as db:
+        db.execute("CREATE TABLE t (x INTEGER)")
+    db.close()
+    store = DirectoryStore(tmp_path / "store")
+    maker = PublishedSnapshots(SQLiteSandbox.factory(source), store, cache=NodeCache(tmp_path / "maker"), node_id="a")
+    other = PublishedSnapshots(SQLiteSandbox.factory(source), store, cache=NodeCache(tmp_path / "other"), node_id="b")
+    cache = Cache(snapshot_policy=AlwaysSnapshot())
+    step = ["sql", {"query": "INSERT INTO t VALUES (1)"}]
+    looks = iter(range(3))
+
+    async def rollout(factory: PublishedSnapshots) -> tuple[int, int]:
+        async with cache.session("task", sandbox=factory) as session:
+            await session.call(*step)
+            await session.call("sql", {"query": f"SELECT count(*) + {next(looks)} FROM t"})  # a miss each time
+            return session.stats.sandboxes_forked, session.stats.sandboxes_started
+
+    async def main() -> list[tuple[int, int]]:
+        await rollout(maker)  # publishes the snapshot after the insert
+        costs = cache.costs(other)
+        costs.observe("start", 0.01)
+        costs.observe("fork", 0.001)
+        costs.observe("fetching_fork", 60.0)  # say fetching is slow: replaying (from a start) is cheaper
+        first = await rollout(other)  # the data is not on "b": start and replay
+        snapshot = cache.graph("task").match([ToolCall(*step)]).node.snapshot
+        assert snapshot is not None
+        await asyncio.to_thread(other.cache.fetch, Publication.of(snapshot).digest, "file", store)  # type: ignore[union-attr]
+        second = await rollout(other)  # now it is: fork
+        return [first, second]
+
+    assert asyncio.run(main()) == [(0, 1), (1, 0)]
+    cache.close()
+
+
 @needs_overlay
 def test_evicted_snapshots_release_their_blobs_in_every_process(tmp_path: Path) -> None:
     """A budget of two snapshots per task: the first process evicts its own snapshots, the second (after a

@@ -31,14 +31,17 @@ class CostModel:
     snapshots (so nothing is snapshotted on a guess) and neutral about starts.
     """
 
-    __slots__ = ("_alpha", "fork", "samples", "snapshot", "start")
+    __slots__ = ("_alpha", "fetching_fork", "fork", "samples", "snapshot", "start")
 
     def __init__(self, *, start: float = 0.0, fork: float = 0.0, snapshot: float = 0.0, alpha: float = 0.2) -> None:
         self.start = start
         self.fork = fork
+        # A fork whose snapshot data must first come from a shared store (see ``fork_is_local`` on factories
+        # such as PublishedSnapshots): measured apart, as it can cost far more than a local fork.
+        self.fetching_fork = fork
         self.snapshot = snapshot
         self._alpha = alpha
-        self.samples = {"start": 0, "fork": 0, "snapshot": 0}
+        self.samples = {"start": 0, "fork": 0, "fetching_fork": 0, "snapshot": 0}
 
     def observe(self, operation: str, seconds: float) -> None:
         if operation not in self.samples:
@@ -48,6 +51,12 @@ class CostModel:
         value = seconds if count == 0 else previous + self._alpha * (seconds - previous)
         setattr(self, operation, value)
         self.samples[operation] = count + 1
+
+    def fork_seconds(self, *, local: bool) -> float:
+        """Expected seconds of one fork; until a fetching fork has been measured, a local one's estimate."""
+        if local or not self.samples["fetching_fork"]:
+            return self.fork
+        return self.fetching_fork
 
     def rebuild_seconds(self, graph: ToolCallGraph, state: Node) -> float:
         """Expected seconds to re-create ``state`` without a snapshot of it: fork the nearest snapshotted

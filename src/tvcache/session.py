@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .calls import ToolCall, ToolSpec
 from .errors import InvalidInput, ReplayError, SandboxError, SessionClosed, SnapshotDeclined
 from .graph import Lease, Node
-from .protocol import Outcome, Sandbox, SandboxFactory
+from .protocol import Outcome, Sandbox, SandboxFactory, Snapshot
 from .results import AuditFinding, ToolResult
 
 if TYPE_CHECKING:
@@ -329,10 +329,12 @@ class Session:
         lease = self.cache._lease_snapshot(target, self.factory.kind)
         try:
             if lease is not None:
-                fork_cost = self._costs.fork + graph.replay_seconds(target, since=lease.node)
+                assert lease.node.snapshot is not None
+                local = self._fork_is_local(lease.node.snapshot)
+                fork_cost = self._costs.fork_seconds(local=local) + graph.replay_seconds(target, since=lease.node)
                 start_cost = self._costs.start + graph.replay_seconds(target, since=graph.root)
                 if fork_cost <= start_cost:
-                    return await self._fork(lease)
+                    return await self._fork(lease, local=local)
             return await self._start(), graph.root
         finally:
             if lease is not None:
@@ -353,7 +355,11 @@ class Session:
         self.cache._count("sandboxes_started")
         return sandbox
 
-    async def _fork(self, lease: Lease) -> tuple[Sandbox, Node]:
+    def _fork_is_local(self, snapshot: Snapshot) -> bool:
+        is_local: Callable[[Snapshot], bool] | None = getattr(self.factory, "fork_is_local", None)
+        return True if is_local is None else is_local(snapshot)
+
+    async def _fork(self, lease: Lease, *, local: bool = True) -> tuple[Sandbox, Node]:
         """Fork the leased snapshot; if the snapshot turns out unusable, drop it and start fresh instead."""
         node = lease.node
         assert node.snapshot is not None
@@ -370,7 +376,7 @@ class Session:
             self.cache._release(lease)
             self.cache._drop_snapshot(self.graph, node)
             return await self._start(), self.graph.root
-        self._costs.observe("fork", time.perf_counter() - began)
+        self._costs.observe("fork" if local else "fetching_fork", time.perf_counter() - began)
         self.stats.sandboxes_forked += 1
         self.cache._count("sandboxes_forked")
         return sandbox, node

@@ -163,6 +163,12 @@ class LayerCache:
             self.reused += 1
             return found[0]
 
+    def holds(self, ref: LayerRef) -> bool:
+        """Whether a live layer of this process has ``ref``'s content (a hint: it may go before it is acquired)."""
+        with self._lock:
+            path = self._paths.get(ref)
+        return path is not None and self.layers.lookup([path]) is not None
+
     def add(self, ref: LayerRef, data: bytes) -> Layer:
         """Unpack a fetched, verified blob as a new layer of this process; the cache keeps one reference and the
         caller gets another."""

@@ -129,6 +129,16 @@ class PublishedSnapshots:
         finally:
             shell.store.release(pinned)
 
+    def fork_is_local(self, snapshot: Snapshot) -> bool:
+        """Whether forking ``snapshot`` needs nothing fetched from the store. Sessions keep the measured costs of
+        local and fetching forks apart, so one slow fetch does not make every later fork look slow."""
+        publication = Publication.of(snapshot)
+        if publication is None:
+            return True
+        if publication.format == LAYERS:
+            return self._layers is None or self._layers.holds(snapshot, publication)
+        return self._local_copy(snapshot, publication) is not None
+
     def _local_copy(self, snapshot: Snapshot, publication: Publication) -> Path | None:
         """The snapshot's data on this node without fetching: its own path where it was made, or a cached copy."""
         if publication.node == self.node_id and Path(snapshot.path).exists():
@@ -296,6 +306,12 @@ class _LayerPublisher:
             self.store.put(digest, data, publication)
         self.cache.shared += len(known) - len(lost)
         self.cache.uploaded += len(packed)
+
+    def holds(self, snapshot: Snapshot, publication: Publication) -> bool:
+        """Whether every layer of the stack is in this process already (its own, or fetched before)."""
+        if self.shell.store.lookup(list(snapshot.meta.get(LAYERS, []))) is not None:
+            return True
+        return all(self.cache.holds(ref) for ref in publication.layers)
 
     def pin(self, snapshot: Snapshot, publication: Publication) -> list[Layer]:
         """The snapshot's stack as layers of this process, each with a reference for the caller: its own layers
