@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import select
 import shutil
 import signal
@@ -18,6 +19,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,10 +29,11 @@ import pytest
 
 from tvcache import AlwaysSnapshot, Budget, Cache, DirectoryStore, PublishedSnapshots, RemoteCache
 from tvcache.calls import ToolCall
+from tvcache.errors import SandboxError
 from tvcache.protocol import SandboxFactory, Snapshot
 from tvcache.sandboxes import FolderSandbox, ShellSandbox, SQLiteSandbox
 from tvcache.sandboxes._linux import overlay_supported
-from tvcache.snapshots import NodeCache, Publication
+from tvcache.snapshots import PUBLISHED, NodeCache, Publication, publication_available
 
 from server_support import free_port, wait_until
 
@@ -285,7 +288,9 @@ def test_a_reopened_cache_drops_the_records_whose_published_data_is_gone(tmp_pat
 
     top = publications[1].layers[0].digest  # the deeper snapshot's own layer: only its publication has it
     (store.root / "blobs" / top[:2] / top).unlink()
-    assert set(live_publications(tmp_path / "cache")) == {publications[0].publication}
+    live = live_publications(tmp_path / "cache")
+    assert set(live) == {publications[0].publication}
+    assert_no_leak(store, live)  # the dropped record's references on the lower layer went with it
 
     shutil.rmtree(store.root)
     assert live_publications(tmp_path / "cache") == {}
@@ -545,3 +550,184 @@ def _live_on(server: Server, paths: list[list[Call]]) -> list[Publication | None
 
 if __name__ == "__main__":
     worker_main(sys.argv[1])
+
+
+# ------------------------------------------------------------------ exactness, failures, forged records
+
+
+def folder_factories(tmp_path: Path, store: DirectoryStore) -> tuple[PublishedSnapshots, PublishedSnapshots]:
+    """Two nodes' factories over one template and one store: ``here`` makes snapshots, ``there`` fetches them."""
+    template = tmp_path / "template"
+    template.mkdir(exist_ok=True)
+    here = PublishedSnapshots(FolderSandbox.factory(template), store, cache=NodeCache(tmp_path / "nc-a"), node_id="a")
+    there = PublishedSnapshots(FolderSandbox.factory(template), store, cache=NodeCache(tmp_path / "nc-b"), node_id="b")
+    return here, there
+
+
+async def run_sh(sandbox: Any, command: str) -> str:
+    return str((await sandbox.execute(ToolCall("sh", {"cmd": command}))).output)
+
+
+def test_folder_snapshots_that_differ_in_nanoseconds_or_xattrs_each_fork_as_themselves(tmp_path: Path) -> None:
+    here, _ = folder_factories(tmp_path, DirectoryStore(tmp_path / "store"))
+    (tmp_path / "template" / "f").write_text("same bytes\n")
+    look = "stat -c '%n %y' f; python3 -c \"import os; print(os.getxattr('f', 'user.tag'))\""
+
+    async def main() -> list[tuple[str, str]]:
+        seen = []
+        for stamp, tag in [("00.123456789", "one"), ("00.123456750", "two")]:
+            sandbox = await here.start()
+            setxattr = f"python3 -c \"import os; os.setxattr('f', 'user.tag', b'{tag}')\""
+            await run_sh(sandbox, f'{setxattr}; touch -d "2020-01-01 00:00:{stamp}" f')
+            snapshot = await sandbox.snapshot(tmp_path / f"snap-{tag}")
+            truth = await run_sh(sandbox, look)
+            fork = await here.fork(snapshot)
+            seen.append((truth, await run_sh(fork, look)))
+            await fork.stop()
+            await sandbox.stop()
+        return seen
+
+    (one_truth, one_fork), (two_truth, two_fork) = asyncio.run(main())
+    assert one_truth != two_truth
+    assert (one_fork, two_fork) == (one_truth, two_truth)  # the second is not forked as the first
+
+
+def test_a_folder_fork_fetched_on_another_node_shows_what_the_uncached_sandbox_showed(tmp_path: Path) -> None:
+    here, there = folder_factories(tmp_path, DirectoryStore(tmp_path / "store"))
+    step = 'touch -d "2020-01-01 00:00:00.123456789" f; mkdir -p d; touch -d "2021-01-01 00:00:00.987654321" d/g'
+    step += "; echo x > h; ln h h2; python3 -c \"import os; os.setxattr('h', 'user.k', b'v')\""
+    if os.geteuid() == 0:
+        step += "; chown 4242:4243 h"
+    look = "stat -c '%n %y %u:%g %h %a' . f d d/g h h2; python3 -c \"import os; print(os.getxattr('h', 'user.k'))\""
+
+    async def main() -> tuple[str, str, str]:
+        sandbox = await here.start()
+        await run_sh(sandbox, step)
+        snapshot = await sandbox.snapshot(tmp_path / "snap")
+        assert not there.fork_is_local(snapshot)
+        local, fetched = await here.fork(snapshot), await there.fork(snapshot)
+        seen = (await run_sh(sandbox, look), await run_sh(local, look), await run_sh(fetched, look))
+        for each in (sandbox, local, fetched):
+            await each.stop()
+        return seen
+
+    uncached, local, fetched = asyncio.run(main())
+    assert local == uncached
+    assert fetched == uncached
+
+
+def test_a_snapshot_that_cannot_be_published_leaves_no_files_and_names_the_store(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path / "store")
+    here, _ = folder_factories(tmp_path, store)
+    shutil.rmtree(store.root)  # deleted under a running process
+    cache = Cache(tmp_path / "cache", snapshot_policy=AlwaysSnapshot())
+    with (
+        pytest.warns(RuntimeWarning, match=rf"SandboxError.*snapshot store {store.root}: .*deleted or moved"),
+        cache.session_sync("task", sandbox=here) as session,
+    ):
+        outputs = [session.call("sh", {"cmd": command}).output for command in ["echo 1 > a", "cat a"]]
+    assert outputs == ["", "1\n"]  # the rollout goes on, without snapshots
+    assert cache.stats().snapshots == 0
+    assert list(cache.snapshot_root.glob("*/*")) == []  # nor the inner snapshots' folders
+    assert [path.name for path in (tmp_path / "nc-a").iterdir() if not path.name.endswith(".lock")] == []
+    cache.close()
+
+
+def test_a_reopened_cache_releases_what_a_dropped_record_still_references(tmp_path: Path) -> None:
+    source = tmp_path / "app.db"
+    with sqlite3.connect(source) as db:
+        db.execute("CREATE TABLE t (x INTEGER)")
+    db.close()
+    store = DirectoryStore(tmp_path / "store")
+    factory = PublishedSnapshots(SQLiteSandbox.factory(source), store, cache=NodeCache(tmp_path / "node-cache"))
+    with (
+        Cache(tmp_path / "cache", snapshot_policy=AlwaysSnapshot()) as cache,
+        cache.session_sync("task", sandbox=factory) as session,
+    ):
+        session.call("sql", {"query": "INSERT INTO t VALUES (1)"})
+    ((digest, publication),) = [(path.parent.name, path.name) for path in (store.root / "refs").glob("*/*")]
+    shutil.rmtree(tmp_path / "node-cache")  # the node rebooted ...
+    (store.root / "blobs" / digest[:2] / digest).unlink()  # ... and the store lost the blob
+
+    with Cache(tmp_path / "cache") as reopened:
+        assert reopened.stats().snapshots == 0  # dropped: its data is gone
+    assert store.publications() == set()  # and its reference released: no process ever would otherwise
+    store.check_invariants()
+
+
+def test_a_factory_never_releases_into_a_store_the_record_does_not_name(tmp_path: Path) -> None:
+    source = tmp_path / "app.db"
+    with sqlite3.connect(source) as db:
+        db.execute("CREATE TABLE t (x INTEGER)")
+    db.close()
+    store_a, store_b = DirectoryStore(tmp_path / "store-a"), DirectoryStore(tmp_path / "store-b")
+    a = PublishedSnapshots(SQLiteSandbox.factory(source), store_a, cache=NodeCache(tmp_path / "nc-a"), node_id="a")
+    b = PublishedSnapshots(SQLiteSandbox.factory(source), store_b, cache=NodeCache(tmp_path / "nc-b"), node_id="b")
+
+    async def snapshots() -> list[Snapshot]:
+        made = []
+        for n in range(2):
+            sandbox = await a.start()
+            await sandbox.execute(ToolCall("sql", {"query": f"INSERT INTO t VALUES ({n})"}))
+            made.append(await sandbox.snapshot(tmp_path / f"snap-{n}.db"))
+            await sandbox.stop()
+        return made
+
+    first, second = asyncio.run(snapshots())
+    # the same digest and publication id in store B: a release there would be the wrong store's reference
+    publication = Publication.of(first)
+    assert publication is not None
+    store_b.put(publication.digest, store_a.get(publication.digest) or b"", publication.publication)
+    with pytest.warns(RuntimeWarning, match="every process that forks or evicts the cache's snapshots must use one"):
+        b.discard(first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per factory
+        b.discard(second)
+    assert store_a.stats() == {"blobs": 2, "references": 2}  # not released: B cannot reach A's store
+    assert store_b.stats() == {"blobs": 1, "references": 1}  # and nothing released in B's own
+
+
+def test_forged_records_are_refused_and_touch_nothing(tmp_path: Path) -> None:
+    source = tmp_path / "app.db"
+    with sqlite3.connect(source) as db:
+        db.execute("CREATE TABLE t (x INTEGER)")
+    db.close()
+    store = DirectoryStore(tmp_path / "store")
+    factory = PublishedSnapshots(SQLiteSandbox.factory(source), store, cache=NodeCache(tmp_path / "nc"), node_id="a")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (store.root / "refs" / "00").mkdir()
+
+    def record(**fields: Any) -> Snapshot:
+        data = {"digest": "ab" * 32, "format": "file", "node": "b", "publication": "cd" * 8, "store": store.name}
+        return Snapshot(kind="sqlite", path="/nonexistent", bytes=0, meta={PUBLISHED: data | fields})
+
+    forged = [
+        record(digest="../victim"),
+        record(digest="00", publication="../../../victim"),
+        record(format="layers", layers=[{"digest": "../../victim"}], base=str(source)),
+        record(publication=None),
+        Snapshot(kind="sqlite", path="/nonexistent", bytes=0, meta={PUBLISHED: "not a record"}),
+    ]
+    for snapshot in forged:
+        with pytest.raises(SandboxError, match="corrupt or forged|malformed"):
+            asyncio.run(factory.fork(snapshot))
+        assert not publication_available(snapshot)
+        with pytest.warns(RuntimeWarning, match="not releasing an evicted snapshot"):
+            factory.discard(snapshot)
+    assert victim.is_dir()
+    assert (store.root / "refs" / "00").is_dir()
+
+
+def test_folder_trees_published_by_an_older_tvcache_are_replayed_not_forked(tmp_path: Path) -> None:
+    """Before format ``tree``, folders were published as Python tar archives (``tar``), whose addresses two
+    different trees could share: such records are never forked, and a reopened cache drops them."""
+    store = DirectoryStore(tmp_path / "store")
+    here, _ = folder_factories(tmp_path, store)
+    (tmp_path / "nc-a" / ("ab" * 32)).mkdir()  # the old entry, still on this node
+    legacy = {"digest": "ab" * 32, "format": "tar", "node": "a", "publication": "cd" * 8, "store": store.name}
+    snapshot = Snapshot(kind="folder", path=str(tmp_path / "nc-a" / ("ab" * 32)), bytes=0, meta={PUBLISHED: legacy})
+    with pytest.raises(SandboxError, match="older tvcache as a Python tar archive"):
+        asyncio.run(here.fork(snapshot))
+    assert here.fork_is_local(snapshot)  # nothing to fetch: the fork fails at once, and the session drops it
+    assert not publication_available(snapshot)

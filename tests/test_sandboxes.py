@@ -681,3 +681,34 @@ def test_folder_copies_keep_hard_links_so_forks_behave_like_the_original(tmp_pat
         return outputs
 
     assert asyncio.run(main()) == ("a\nb\n2\n", "a\nb\n2\n")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give files to other users")
+def test_folder_copies_keep_owners_as_root_so_forks_show_what_their_sandbox_showed(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    factory = FolderSandbox.factory(base)
+    make = (
+        "mkdir d && echo x > d/f && ln d/f d/g && ln -s f d/link && cp /bin/true tool"
+        " && chown 4242:4243 d/f && chown 4244:4245 d && chown -h 4246:4247 d/link"
+        " && chown 4248:4249 tool && chmod 6755 tool"
+        " && python3 -c \"import os; os.setxattr('d/f', 'user.k', b'v')\""
+    )
+    look = ToolCall("sh", {"cmd": "stat -c '%n %u:%g %a %h' . d d/f d/g d/link tool"})
+
+    async def main() -> tuple[str, str, bool]:
+        live = await factory.start()
+        assert not (await live.execute(ToolCall("sh", {"cmd": make}))).is_error
+        fork = await factory.fork(await live.snapshot(tmp_path / "snap"))
+        assert isinstance(fork, FolderSandbox)
+        outputs = (await live.execute(look)).output, (await fork.execute(look)).output
+        kept = os.getxattr(fork.folder / "d" / "f", "user.k") == b"v"
+        await live.stop()
+        await fork.stop()
+        return outputs[0], outputs[1], kept
+
+    live, fork, kept = asyncio.run(main())
+    assert "d/f 4242:4243 644 2" in live
+    assert "tool 4248:4249 6755 1" in live
+    assert fork == live  # owners, setuid and setgid bits (chown clears them) and hard links
+    assert kept  # and extended attributes

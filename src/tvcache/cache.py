@@ -26,7 +26,7 @@ from .journal import Journal
 from .policies import Budget, CostAwareSnapshots, CostModel, EvictionPolicy, LowReuseFirst, SnapshotPolicy
 from .protocol import Outcome, SandboxFactory, Snapshot, discard_snapshot_files
 from .results import AuditFinding, CacheStats
-from .snapshots.publication import publication_available
+from .snapshots.publication import publication_available, release_dropped
 
 if TYPE_CHECKING:
     from .session import Session, SyncSession
@@ -542,7 +542,9 @@ class Cache:
             node = graph.node(record["id"])
             # Snapshots whose data is gone are dropped; a published one's data may live on in its store.
             usable = not self._verify_snapshots or snapshot.exists() or publication_available(snapshot)
-            if usable and node.snapshot is None:
+            if not usable:
+                self._release_dropped(snapshot)
+            elif node.snapshot is None:
                 graph.attach_snapshot(node, snapshot)
         elif kind == "x":
             node = graph.node(record["id"])
@@ -552,6 +554,14 @@ class Cache:
             graph.set_test(graph.node(record["id"]), record["k"], record["v"])
         else:
             raise ValueError(f"unknown record type {kind!r}")
+
+    def _release_dropped(self, snapshot: Snapshot) -> None:
+        """A published record dropped on load still holds references on the blobs its store kept: no eviction
+        will ever release them now, so release them here (a store that fails only costs a warning)."""
+        try:
+            release_dropped(snapshot)
+        except SandboxError as error:
+            warnings.warn(f"{self.root}: a dropped snapshot's blobs were not released: {error}", stacklevel=4)
 
     def _records(self) -> Iterator[dict[str, Any]]:
         """The current state as journal records (what compaction writes)."""

@@ -35,6 +35,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from tvcache import AlwaysSnapshot, NeverSnapshot, ToolCall  # noqa: E402
+from tvcache.errors import SandboxError  # noqa: E402
 from tvcache.integrations.ray import (  # noqa: E402
     DirectoryStore,
     NodeCache,
@@ -246,6 +247,7 @@ def test_a_published_folder_keeps_its_modes_and_refuses_paths_leaving_it(tmp_pat
             (tree / name).write_text(name)
         os.chmod(tree / name, mode)
     data, fmt = pack(tree)
+    assert fmt == "tree"
     unpack(data, fmt, tmp_path / "copy")
     for name in ["bin/tool", "shared", "bin"]:
         assert oct((tmp_path / "copy" / name).stat().st_mode) == oct((tree / name).stat().st_mode), name
@@ -254,8 +256,8 @@ def test_a_published_folder_keeps_its_modes_and_refuses_paths_leaving_it(tmp_pat
     with tarfile.open(fileobj=evil, mode="w") as archive:
         member = tarfile.TarInfo("../escaped")
         archive.addfile(member, io.BytesIO(b""))
-    with pytest.raises(tarfile.FilterError):
-        unpack(evil.getvalue(), "tar", tmp_path / "evil")
+    with pytest.raises(SandboxError, match="cannot unpack a published tree"):
+        unpack(evil.getvalue(), "tree", tmp_path / "evil")
     assert not (tmp_path / "escaped").exists()
 
 

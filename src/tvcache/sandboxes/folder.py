@@ -174,9 +174,11 @@ def _remove_tree(path: Path) -> None:
 
 
 def _copy_folder(source: Path, dest: Path) -> None:
-    """Copy a tree keeping symlinks as links, hard links as links (a fork must not split two names of one file)
-    and modes and mtimes as they are; dest must not exist."""
+    """Copy a tree keeping symlinks as links, hard links as links (a fork must not split two names of one file),
+    modes, mtimes and extended attributes as they are, and owners too when running as root (only root can give
+    a file to another user; a fork must show the owners its sandbox showed); dest must not exist."""
     copied: dict[tuple[int, int], str] = {}
+    keep_owners = os.geteuid() == 0
 
     def copy_keeping_links(src: str, dst: str) -> str:
         info = os.lstat(src)
@@ -185,16 +187,36 @@ def _copy_folder(source: Path, dest: Path) -> None:
             if first != dst:
                 os.link(first, dst)
                 return dst
-        return str(shutil.copy2(src, dst))
+        shutil.copyfile(src, dst, follow_symlinks=False)
+        if keep_owners:  # before the mode: chown clears setuid and setgid bits (and file capabilities)
+            os.lchown(dst, info.st_uid, info.st_gid)
+        shutil.copystat(src, dst, follow_symlinks=False)
+        return dst
 
     try:
         shutil.copytree(source, dest, symlinks=True, copy_function=copy_keeping_links)
+        if keep_owners:
+            _copy_owners(source, dest)
     except (shutil.Error, OSError) as error:
         _remove_tree(dest)
         raise SandboxError(
             f"cannot copy {source} to {dest}: {error}; special files (pipes, sockets) cannot be copied, "
             "and the disk may be full"
         ) from error
+
+
+def _copy_owners(source: Path, dest: Path) -> None:
+    """Give the directories and symlinks of a copied tree the owners of the source's (files got theirs while
+    copied). Neither loses anything to chown: it clears setuid and setgid bits of files only."""
+    for directory, dirs, files in os.walk(source):
+        relative = os.path.relpath(directory, source)
+        info = os.lstat(directory)
+        os.lchown(os.path.join(dest, relative), info.st_uid, info.st_gid)
+        for name in dirs + files:  # os.walk lists symlinks to directories among dirs, and does not follow them
+            path = os.path.join(directory, name)
+            info = os.lstat(path)
+            if stat.S_ISLNK(info.st_mode):
+                os.lchown(os.path.join(dest, relative, name), info.st_uid, info.st_gid)
 
 
 class FolderSandboxFactory:

@@ -5,18 +5,13 @@ A shell snapshot is a stack of overlay layers (``tvcache.sandboxes.layers``); ``
 (``tvcache.sandboxes.published``) publishes each layer as its own blob, so a stack shares its lower layers with
 the publications of its parent snapshots.
 
-**The archive** is a POSIX (PAX) tar of the layer directory made by GNU tar (``--xattrs``; Python's ``tarfile``
-neither reads nor restores extended attributes, and is 5x slower on layers of many small files), in one
-canonical form: entries sorted by name, numeric owners only, no access or change times, fixed extended-header
-names (GNU tar's default names hold its pid), modification times to the nanosecond (``make`` compares them).
-Every extended attribute is kept (``SCHILY.xattr.<name>`` records) but overlay's bookkeeping about the
-publishing node's own inodes: ``origin``, ``uuid``, ``impure``, ``nlink`` (file handles and caches that overlay
-reads only from an upper layer, never from a lower one, which is all a layer ever is again). So whiteouts
-(character devices 0/0), opaque directories (``trusted.overlay.opaque``; ``user.overlay.opaque`` on a mount with
-``userxattr``), redirects, symlinks, modes, owners, ACLs, hard links, FIFOs and empty directories come through.
-Equal contents give equal bytes (inode numbers and change times are not in the archive), and the blob's
-BLAKE2b-256 digest addresses the content. Unpacking checks nothing but lets GNU tar refuse what would land
-outside the layer (``..`` in names, writing through a symlink): the blob's digest was verified before.
+**The archive** is the canonical tree archive of ``tvcache.snapshots.archive`` (GNU tar: nanosecond times,
+extended attributes, numeric owners, sorted) without overlay's bookkeeping about the publishing node's own
+inodes: ``origin``, ``uuid``, ``impure``, ``nlink`` (file handles and caches that overlay reads only from an upper
+layer, never from a lower one, which is all a layer ever is again). So whiteouts (character devices 0/0), opaque
+directories (``trusted.overlay.opaque``; ``user.overlay.opaque`` on a mount with ``userxattr``), redirects,
+symlinks, modes, owners, ACLs, hard links, FIFOs and empty directories come through, and equal contents give
+equal bytes.
 
 **The cache** (``LayerCache``) maps content addresses to live layers of this process's ``LayerStore``: the
 layers it published (their digest is computed once) and the layers it fetched. A fetched layer is unpacked
@@ -28,86 +23,35 @@ never loses it to the cache's eviction.
 
 from __future__ import annotations
 
-import functools
-import shutil
-import subprocess
 import threading
 from collections import OrderedDict
 from pathlib import Path
 
 from ..errors import SandboxError
+from ..snapshots.archive import pack_tree, require_gnu_tar, unpack_tree
 from ..snapshots.publication import LayerRef
-from ._process import FIXED_PATH
 from .layers import Layer, LayerStore
 
 __all__ = ["LayerCache", "LayerRef", "pack_layer", "require_gnu_tar", "unpack_layer"]
 
 OVERLAY_NAMESPACES = ("trusted.overlay.", "user.overlay.")
-LOCAL_OVERLAY_XATTRS = ("origin", "uuid", "impure", "nlink")
-CREATE = (
-    "--create",
-    "--format=posix",
-    "--sort=name",
-    "--numeric-owner",
-    "--xattrs",
-    "--xattrs-include=*",
-    *(f"--xattrs-exclude={namespace}{name}" for namespace in OVERLAY_NAMESPACES for name in LOCAL_OVERLAY_XATTRS),
-    "--pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime",
+LOCAL_OVERLAY_XATTRS = tuple(
+    f"{namespace}{name}" for namespace in OVERLAY_NAMESPACES for name in ("origin", "uuid", "impure", "nlink")
 )
-EXTRACT = ("--extract", "--xattrs", "--xattrs-include=*", "--numeric-owner", "--same-owner", "--same-permissions")
-_ENVIRONMENT = {"PATH": FIXED_PATH, "LC_ALL": "C"}  # byte order for --sort=name, untranslated errors
 
 
 # ---------------------------------------------------------------------------------------------- archive
 
 
-@functools.cache
-def require_gnu_tar() -> str:
-    """The path of GNU tar (1.28 or later, for ``--sort``); SandboxError naming the fix when there is none."""
-    tar = shutil.which("tar", path=FIXED_PATH)
-    version = ""
-    if tar is not None:
-        result = subprocess.run([tar, "--version"], capture_output=True, text=True, env=_ENVIRONMENT, check=False)
-        version = result.stdout.partition("\n")[0]
-    if tar is None or "GNU tar" not in version:
-        raise SandboxError(
-            f"publishing shell sandbox layers needs GNU tar wherever they are forked (found {version or 'no tar'} "
-            f"in {FIXED_PATH}); install it (apt-get install tar) or keep shell snapshots process-local"
-        )
-    return tar
-
-
 def pack_layer(path: Path) -> bytes:
     """The layer at ``path`` as a canonical PAX tar (see the module docstring)."""
-    result = subprocess.run(
-        [require_gnu_tar(), *CREATE, "--file=-", f"--directory={path}", "."],
-        capture_output=True,
-        env=_ENVIRONMENT,
-        check=False,
-    )
-    if result.returncode != 0:  # 1 is "a file changed while read": never right for a frozen layer
-        raise SandboxError(f"cannot pack the layer {path}: {_errors(result.stderr)}")
-    return result.stdout
+    return pack_tree(path, exclude_xattrs=LOCAL_OVERLAY_XATTRS)
 
 
 def unpack_layer(data: bytes, dest: Path) -> None:
     """Unpack an archive made by ``pack_layer`` into ``dest`` (which must not exist), owners, modes, times and
     extended attributes included (which takes root, as overlay mounts do)."""
-    dest.mkdir()
-    result = subprocess.run(
-        [require_gnu_tar(), *EXTRACT, "--file=-", f"--directory={dest}"],
-        input=data,
-        capture_output=True,
-        env=_ENVIRONMENT,
-        check=False,
-    )
-    if result.returncode != 0:
-        shutil.rmtree(dest, ignore_errors=True)
-        raise SandboxError(f"cannot unpack a published layer into {dest}: {_errors(result.stderr)}")
-
-
-def _errors(stderr: bytes) -> str:
-    return stderr.decode(errors="replace").strip()[-500:] or "GNU tar failed without a message"
+    unpack_tree(data, dest, what="a published layer")
 
 
 # ---------------------------------------------------------------------------------------------- cache

@@ -21,16 +21,16 @@ does not hold yet, adopts them into its own layer store and mounts the stack fro
 
 Eviction respects leases everywhere: a blob is released only when the cache evicts its snapshot record (never
 while a session anywhere leases it), through ``discard``; every publication holds one reference on each of its
-blobs, so a blob shared by two records outlives the first eviction. When another process evicts a shell
-snapshot made here, the store's references go at once, and this process drops its own layers of it when it
-next publishes (``sweep``).
+blobs, so a blob shared by two records outlives the first eviction. When another process evicts a shell snapshot
+made here, the store's references go at once, and this process drops its own layers of it when it next
+publishes (``sweep``). Every process must use one store, named by the same path: a record naming another store
+is never released into this one (a warning says so).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import threading
 import warnings
 from collections.abc import Callable, Mapping
@@ -40,9 +40,9 @@ from typing import Any, TypeVar
 from ..calls import ToolSpec
 from ..errors import SandboxError
 from ..protocol import Sandbox, SandboxFactory, SandboxWrapper, Snapshot
-from ..snapshots.node_cache import NodeCache, pack
+from ..snapshots.node_cache import NodeCache, check_format, pack
 from ..snapshots.publication import LAYERS, PUBLISHED, LayerRef, Publication, default_node_id, stack_digest
-from ..snapshots.stores import BlobStore, blob_digest, fetch_verified
+from ..snapshots.stores import BlobStore, blob_digest, fetch_verified, new_publication_id
 from .layer_archive import LayerCache, pack_layer, require_gnu_tar
 from .layers import Layer
 from .shell import ShellSandboxFactory
@@ -80,6 +80,7 @@ class PublishedSnapshots:
         self.swept = 0
         self._layers: _LayerPublisher | None = None
         self._lock = threading.Lock()
+        self._warned_store = False
         self._made: dict[str, Snapshot] = {}  # shell stacks published here whose layers this process holds
         if isinstance(factory, ShellSandboxFactory):
             require_gnu_tar()  # now rather than at the first snapshot
@@ -98,11 +99,13 @@ class PublishedSnapshots:
         return _PublishingSandbox(await self.inner.start(), self)
 
     async def fork(self, snapshot: Snapshot) -> Sandbox:
-        publication = Publication.of(snapshot)
+        publication = Publication.of(snapshot)  # a malformed record raises: the session replays instead
         if publication is None:  # made by an unwrapped factory: only usable where its files are
             return _PublishingSandbox(await self.inner.fork(snapshot), self)
+        self._same_store(publication)
         if publication.format == LAYERS:
             return await self._fork_layers(snapshot, publication)
+        check_format(publication.format)
         with self.cache.pinned(publication.digest):
             local = self._local_copy(snapshot, publication)
             if local is None:
@@ -131,8 +134,14 @@ class PublishedSnapshots:
 
     def fork_is_local(self, snapshot: Snapshot) -> bool:
         """Whether forking ``snapshot`` needs nothing fetched from the store. Sessions keep the measured costs of
-        local and fetching forks apart, so one slow fetch does not make every later fork look slow."""
-        publication = Publication.of(snapshot)
+        local and fetching forks apart, so one slow fetch does not make every later fork look slow. A record that
+        cannot be forked at all counts as local: its fork fails at once, and the session drops it."""
+        try:
+            publication = Publication.of(snapshot)
+            if publication is not None and publication.format != LAYERS:
+                check_format(publication.format)
+        except SandboxError:
+            return True
         if publication is None:
             return True
         if publication.format == LAYERS:
@@ -148,13 +157,19 @@ class PublishedSnapshots:
 
     def discard(self, snapshot: Snapshot) -> None:
         """The cache evicted the snapshot (never while leased): drop this publication's references in the store
-        and this node's copy if no fork is reading it (a shell stack's layers stay with their other users)."""
-        publication = Publication.of(snapshot)
+        and this node's copy if no fork is reading it (a shell stack's layers stay with their other users). A
+        record naming another store releases nothing (see ``_same_store``); a malformed one touches nothing."""
+        try:
+            publication = Publication.of(snapshot)
+        except SandboxError as error:
+            warnings.warn(f"not releasing an evicted snapshot: {error}", RuntimeWarning, stacklevel=2)
+            return
         if publication is None:
             self.inner.discard(snapshot)
             return
-        for digest in publication.blobs():
-            self.store.release(digest, publication.publication)
+        if self._same_store(publication):
+            for digest in publication.blobs():
+                self.store.release(digest, publication.publication)
         if publication.format != LAYERS:
             self.cache.drop(publication.digest)
             return
@@ -164,6 +179,24 @@ class PublishedSnapshots:
             self.inner.discard(_without_publication(snapshot))
         else:  # made by another process (or swept already): its layer paths are not ours to release
             Path(snapshot.path).unlink(missing_ok=True)
+
+    def _same_store(self, publication: Publication) -> bool:
+        """Whether the record was published to this factory's store; if not, warn (once per factory): its
+        references cannot be released here, and its data is fetched from this store, which may lack it."""
+        if publication.store == self.store.name:
+            return True
+        with self._lock:
+            warned, self._warned_store = self._warned_store, True
+        if not warned:
+            warnings.warn(
+                f"a snapshot record names the store {publication.store}, but this PublishedSnapshots uses "
+                f"{self.store.name}: every process that forks or evicts the cache's snapshots must use one store, "
+                "named by the same path everywhere. Records of the other store are not released here (their blobs "
+                "stay there) and forks fetch from this one (a missing blob: the state is rebuilt by replay)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return False
 
     def sweep(self) -> int:
         """Release this process's layers of shell snapshots it published that the store no longer holds: another
@@ -200,16 +233,33 @@ class PublishedSnapshots:
                         stacklevel=2,
                     )
             return await _undone_if_cancelled(lambda: self._publish_layers(layers, snapshot), self.discard)
+        return await _undone_if_cancelled(lambda: self._publish_data(snapshot), self.discard)
+
+    def _publish_data(self, snapshot: Snapshot) -> Snapshot:
+        """Publish a file or tree snapshot and move its data into the node cache. If anything fails, the store's
+        reference and the snapshot's files go: an unpublished snapshot is never recorded, so nothing else would
+        remove them."""
         source = Path(snapshot.path)
-        data, fmt = await asyncio.to_thread(pack, source)
-        digest = blob_digest(data)
-        publication = Publication(
-            digest=digest, format=fmt, node=self.node_id, publication=secrets.token_hex(8), store=self.store.name
-        )
-        await asyncio.to_thread(self.store.put, digest, data, publication.publication)
-        with self.cache.pinned(digest):
-            local = await asyncio.to_thread(self.cache.adopt, digest, source)
-        self.published += 1
+        stored: Publication | None = None
+        try:
+            data, fmt = pack(source)
+            digest = blob_digest(data)
+            publication = Publication(
+                digest=digest, format=fmt, node=self.node_id, publication=new_publication_id(), store=self.store.name
+            )
+            self.store.put(digest, data, publication.publication)
+            stored = publication
+            with self.cache.pinned(digest):
+                local = self.cache.adopt(digest, source, fmt=fmt, data=data)
+        except BaseException:
+            if stored is not None:
+                with contextlib.suppress(Exception):  # the store may be what failed; the first error is the news
+                    self.store.release(stored.digest, stored.publication)
+            with contextlib.suppress(Exception):
+                self.inner.discard(snapshot)
+            raise
+        with self._lock:
+            self.published += 1
         return Snapshot(
             kind=snapshot.kind,
             path=str(local),
@@ -218,7 +268,7 @@ class PublishedSnapshots:
         )
 
     def _publish_layers(self, layers: _LayerPublisher, snapshot: Snapshot) -> Snapshot:
-        publication_id = secrets.token_hex(8)
+        publication_id = new_publication_id()
         try:
             refs = layers.publish(snapshot, publication_id)
         except BaseException:

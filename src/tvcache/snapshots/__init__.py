@@ -4,7 +4,10 @@
   them in a directory the processes share (``/dev/shm/...`` on one machine, a shared filesystem for a cluster).
 - ``Publication``: what a published snapshot's record carries (``meta["tvcache.published"]``), so that any process
   reading the record can fetch the data; ``publication_available`` tells a reopened cache whether it still can.
-- ``NodeCache``: the file and tree snapshots (SQLite, folder) made or fetched on this node, by digest.
+- ``NodeCache``: the file and tree snapshots (SQLite, folder) made or fetched on this node, by digest, in a
+  directory private to its user.
+- ``pack``/``unpack``: a snapshot's data as one blob; a tree as the canonical GNU tar archive of
+  ``tvcache.snapshots.archive``, which shell layers use too.
 
 The factory wrapper that publishes snapshots as sandboxes make them is
 ``tvcache.sandboxes.published.PublishedSnapshots`` (also ``tvcache.PublishedSnapshots``)::

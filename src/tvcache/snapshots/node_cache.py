@@ -1,99 +1,148 @@
 """File and directory snapshots as blobs (SQLite databases, folder trees), and this node's copies of them.
 
-``pack`` turns a snapshot's data into one blob (a file as is, a directory as a tar archive that keeps modes),
-``unpack`` writes it back. ``NodeCache`` holds the data of snapshots made or fetched on this node by digest,
-shared by every process of the node, bounded by bytes, least recently used first, never evicting an entry a
-fork is reading.
+``pack`` turns a snapshot's data into one blob (a file as is, a directory as the canonical GNU tar archive of
+``tvcache.snapshots.archive``: nanosecond times, extended attributes, owners, modes, hard links), ``unpack``
+writes it back. ``NodeCache`` holds the data of snapshots made or fetched on this node by digest, shared by
+every process of the node, bounded by bytes, least recently used first, never evicting an entry a fork is
+reading.
+
+An entry appears under its digest only complete: it is written as ``<digest>.<token>.partial`` and renamed, so a
+process killed while writing one leaves a ``.partial`` that no fork ever reads. Forks trust the entries (they
+are not verified again), so the cache's directory must be this user's alone: the default is per user
+(``tvcache-node-cache-<uid>`` in the temp directory, mode 0700), and a root owned by another user or writable by
+group or others is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
-import io
 import os
 import secrets
 import shutil
-import tarfile
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import SandboxError
-from .stores import BlobStore, fetch_verified
+from .archive import pack_tree, unpack_tree
+from .publication import FILE, LEGACY_TAR, TREE
+from .stores import BlobStore, check_digest, fetch_verified, is_digest
 
-__all__ = ["NodeCache", "pack", "unpack"]
+__all__ = ["NodeCache", "check_format", "default_node_cache_root", "pack", "unpack"]
 
 
 def pack(path: Path) -> tuple[bytes, str]:
-    """A snapshot's data as one blob and its format: ``file`` (the bytes) or ``tar`` (a directory tree)."""
+    """A snapshot's data as one blob and its format: ``file`` (the bytes) or ``tree`` (a directory tree)."""
     if path.is_file():
-        return path.read_bytes(), "file"
+        return path.read_bytes(), FILE
     if not path.is_dir():
         raise SandboxError(f"snapshot {path} is neither a file nor a directory; it cannot be published")
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
-        archive.add(path, arcname=".", recursive=False)
-        for directory, dirs, files in os.walk(path):
-            dirs.sort()
-            for name in sorted(dirs + files):
-                full = os.path.join(directory, name)
-                archive.add(full, arcname=os.path.relpath(full, path), recursive=False)
-    return buffer.getvalue(), "tar"
+    return pack_tree(path), TREE
 
 
 def unpack(data: bytes, fmt: str, dest: Path) -> None:
     """Write a blob to ``dest`` (which must not exist) as a file or a directory tree."""
-    if fmt == "file":
+    check_format(fmt)
+    if fmt == FILE:
         dest.write_bytes(data)
-        return
-    if fmt != "tar":
+    else:
+        unpack_tree(data, dest)
+
+
+def check_format(fmt: str) -> None:
+    """SandboxError unless ``unpack`` can write blobs of format ``fmt`` (say why, and that the state replays)."""
+    if fmt == LEGACY_TAR:
+        raise SandboxError(
+            "this folder snapshot was published by an older tvcache as a Python tar archive, which keeps times to "
+            "the microsecond and no extended attributes (two different trees could share its address); it is not "
+            "forked, and the state will be rebuilt by replay"
+        )
+    if fmt not in (FILE, TREE):
         raise SandboxError(f"unknown published snapshot format {fmt!r}; is this tvcache older than the publisher?")
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as archive:
-        archive.extractall(dest, filter=_safe_paths_exact_modes)
 
 
-def _safe_paths_exact_modes(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
-    """The ``tar`` filter's refusals (absolute paths, members or links leaving ``dest``) without its mode changes:
-    it clears setuid/setgid/sticky and group/other write bits, and a fork must show the modes the snapshot had."""
-    return tarfile.tar_filter(member, dest).replace(mode=member.mode, deep=False)
+def default_node_cache_root() -> Path:
+    """This user's node cache directory: ``tvcache-node-cache-<uid>`` in the temp directory."""
+    return Path(tempfile.gettempdir()) / f"tvcache-node-cache-{os.geteuid()}"
 
 
 class NodeCache:
-    """Fetched (and locally published) snapshot data on this node, by digest, bounded by ``max_bytes``."""
+    """Fetched (and locally published) snapshot data on this node, by digest, bounded by ``max_bytes``.
+
+    ``root`` (default ``default_node_cache_root()``) is created with mode 0700; an existing one must belong to
+    this user and not be writable by group or others (forks trust what it holds): SandboxError otherwise."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None, *, max_bytes: int = 2 * 1024**3) -> None:
-        self.root = Path(root) if root is not None else Path(tempfile.gettempdir()) / "tvcache-node-cache"
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = Path(root) if root is not None else default_node_cache_root()
+        self._check_root()
         self.max_bytes = max_bytes
         self.fetched = 0
         self.reused = 0
         self._lock = threading.Lock()
 
+    def _check_root(self) -> None:
+        with self._failures("create the node cache"):
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                self.root.mkdir()
+                os.chmod(self.root, 0o700)  # not the umask's
+            link, info = os.lstat(self.root), os.stat(self.root)
+        if stat.S_ISLNK(link.st_mode) and link.st_uid != os.geteuid():
+            raise SandboxError(
+                f"node cache {self.root} is a symbolic link of uid {link.st_uid}, who could point it elsewhere; "
+                "pass NodeCache(root=...) a directory of yours"
+            )
+        if not stat.S_ISDIR(info.st_mode):
+            raise SandboxError(f"node cache {self.root} is not a directory; pass NodeCache(root=...) a directory")
+        if info.st_uid != os.geteuid():
+            raise SandboxError(
+                f"node cache {self.root} belongs to uid {info.st_uid}, not to this process's uid {os.geteuid()}; "
+                "forks trust its entries, so each user needs its own: pass NodeCache(root=...) a directory of yours"
+            )
+        if info.st_mode & 0o022:
+            raise SandboxError(
+                f"node cache {self.root} is writable by group or others (mode {oct(stat.S_IMODE(info.st_mode))}); "
+                f"forks trust its entries, so make it private (chmod 700 {self.root}) or pass another root"
+            )
+
     def path(self, digest: str) -> Path:
-        return self.root / digest
+        """Where ``digest``'s entry is (SandboxError if ``digest`` is not a blob address)."""
+        return self.root / check_digest(digest)
 
     @contextlib.contextmanager
     def pinned(self, digest: str) -> Iterator[None]:
         """Hold ``digest``'s entry against eviction (any process on this node) while a fork reads it."""
-        fd = os.open(self.root / f"{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lock = self.path(digest).with_name(f"{digest}.lock")
+        with self._failures("lock an entry"):
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             yield
         finally:
             os.close(fd)
 
-    def adopt(self, digest: str, source: Path) -> Path:
-        """Move a locally made snapshot's data in as ``digest``'s entry (the caller pins it)."""
+    def adopt(self, digest: str, source: Path, *, fmt: str, data: bytes) -> Path:
+        """Move a locally made snapshot's data (``data``, packed in ``fmt``) in as ``digest``'s entry (the caller
+        pins it). Within one filesystem the data is renamed in; across filesystems the blob is unpacked as a
+        fetch would, into a ``.partial`` renamed when complete. ``source`` is gone afterwards."""
         dest = self.path(digest)
-        if dest.exists():
-            _remove(source)
-        else:
-            try:
-                os.replace(source, dest)
-            except OSError:  # another filesystem
-                shutil.move(source, dest)
+        with self._failures(f"adopt {source}"):
+            if dest.exists():
+                _remove(source)
+            else:
+                try:
+                    os.rename(source, dest)
+                except OSError as error:
+                    if error.errno != errno.EXDEV:
+                        if not dest.exists():  # not a concurrent adopt of the same data
+                            raise
+                    else:
+                        self._install(digest, fmt, data)
+                    _remove(source)
         self._evict()
         return dest
 
@@ -106,20 +155,38 @@ class NodeCache:
             self.reused += 1
             return dest
         data = fetch_verified(store, digest)
-        partial = self.root / f"{digest}.{secrets.token_hex(4)}.partial"
-        try:
-            if fmt == "tar":
-                partial.mkdir()
-            unpack(data, fmt, partial)
-            try:
-                os.rename(partial, dest)
-            except OSError:  # a concurrent fetch on this node won: use its copy
-                _remove(partial)
-        finally:
-            _remove(partial)
+        self._install(digest, fmt, data)
         self.fetched += 1
         self._evict()
         return dest
+
+    def _install(self, digest: str, fmt: str, data: bytes) -> None:
+        """Unpack ``data`` as ``digest``'s entry: into a ``.partial``, renamed only when complete."""
+        dest = self.path(digest)
+        partial = self.root / f"{digest}.{secrets.token_hex(4)}.partial"
+        try:
+            with self._failures(f"write entry {digest[:16]}"):
+                unpack(data, fmt, partial)
+                try:
+                    os.rename(partial, dest)
+                except OSError:
+                    if not dest.exists():
+                        raise
+                    # a concurrent fetch on this node won: use its copy
+        finally:
+            _remove(partial)
+
+    @contextlib.contextmanager
+    def _failures(self, action: str) -> Iterator[None]:
+        """Turn an OSError of the cache's directory into a SandboxError saying which and what to do."""
+        try:
+            yield
+        except OSError as error:
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                advice = "its filesystem is full; free space or pass NodeCache(root=..., max_bytes=...) elsewhere"
+            else:
+                advice = "check that it exists and is writable by this process"
+            raise SandboxError(f"node cache {self.root}: cannot {action}: {error}; {advice}") from error
 
     def drop(self, digest: str) -> None:
         """Remove ``digest``'s entry unless a fork is reading it."""
@@ -129,7 +196,7 @@ class NodeCache:
         with self._lock:
             entries = []
             for entry in self.root.iterdir():
-                if entry.name.endswith((".lock", ".partial")):
+                if not is_digest(entry.name):  # locks, partial entries, files that are not ours
                     continue
                 with contextlib.suppress(OSError):
                     entries.append((entry.stat().st_mtime, entry, _size(entry)))
@@ -141,7 +208,7 @@ class NodeCache:
                     total -= size
 
     def _try_remove(self, digest: str) -> bool:
-        fd = os.open(self.root / f"{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path(digest).with_name(f"{digest}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
