@@ -544,6 +544,23 @@ def test_a_worker_releases_the_blobs_of_a_snapshot_whose_maker_has_exited(tmp_pa
     assert_no_leak(store, {p.publication: p for p in _live_on(server, [x, y]) if p is not None})
 
 
+@needs_overlay
+def test_the_published_benchmark_runs_and_reports_each_column(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tvcache.cli import main
+
+    report = tmp_path / "bench.json"
+    assert main(["bench", "published", "--layers", "5x0", "--publish-repeats", "1", "--json", str(report)]) == 0
+    (row,) = json.loads(report.read_text()).values()
+    assert set(row) == {
+        f"{name}_ms_p50" for name in ("publish", "step", "fork (fetch)", "fork (held)", "start + replay")
+    }
+    assert "replay/fetch" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="FILESxMIB"):
+        main(["bench", "published", "--layers", "many"])
+
+
 def _live_on(server: Server, paths: list[list[Call]]) -> list[Publication | None]:
     return [server.snapshot_at("task", calls) for calls in paths]
 

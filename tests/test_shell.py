@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tvcache import AlwaysSnapshot, Budget, Cache, CostAwareSnapshots, SnapshotDeclined, ToolCall
+from tvcache import AlwaysSnapshot, Budget, Cache, CostAwareSnapshots, SandboxError, SnapshotDeclined, ToolCall
 from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory
 from tvcache.sandboxes._linux import overlay_supported
 from tvcache.sandboxes.layers import LayerStore
@@ -559,3 +560,240 @@ def test_cancelled_starts_leave_nothing_behind(tmp_path: Path) -> None:
 
     asyncio.run(main())
     assert os.listdir(factory.store.directory / "uppers") == []
+
+
+def test_proc_shows_only_the_commands_own_processes(tmp_path: Path) -> None:
+    """The host's /proc would show host processes, and /proc/<pid>/root leads into their writable mounts."""
+    factory = factory_for(tmp_path)
+    host_pid = os.getpid()
+    host_file = Path("/tmp") / f"tvcache-escape-{uuid.uuid4().hex}"
+    command = (
+        f"echo $$; test -e /proc/{host_pid} && echo visible || echo hidden; "
+        f"(echo x > /proc/{host_pid}/root{host_file}) 2>/dev/null && echo wrote || echo refused; "
+        "tr '\\0' ' ' < /proc/1/cmdline; echo; grep NoNewPrivs /proc/self/status"
+    )
+
+    async def main() -> str:
+        sandbox = await factory.start()
+        try:
+            return (await sandbox.execute(sh(command))).output
+        finally:
+            await sandbox.stop()
+
+    output = asyncio.run(main())
+    factory.close()
+    assert not host_file.exists()
+    assert output.splitlines() == ["1", "hidden", "refused", f"{factory.bash} -c {command} ", "NoNewPrivs:\t1"]
+
+
+def test_no_namespace_state_survives_a_command_or_crosses_sandboxes(tmp_path: Path) -> None:
+    """Each command gets fresh network and IPC namespaces (a spare serves one command): loopback left down, a
+    SysV segment left behind or a port left in TIME_WAIT would otherwise reach the next command, which a fork
+    of a snapshot would not see."""
+    factory = factory_for(tmp_path)
+    lo_down = (
+        'python3 -c "import fcntl, socket, struct; fcntl.ioctl(socket.socket(socket.AF_INET, socket.SOCK_DGRAM), '
+        "0x8914, struct.pack('16sH14s', b'lo', 0, b''))\" && echo lo down"
+    )
+    loopback = (
+        "python3 -c \"import socket; s = socket.socket(); s.bind(('127.0.0.1', 8642)); s.listen(); "
+        "c = socket.create_connection(('127.0.0.1', 8642)); a, _ = s.accept(); a.close(); c.close(); s.close(); "
+        "print('loopback ok')\" 2>&1 | tail -1"
+    )
+    shared_memory = "ipcmk -M 4096 >/dev/null && echo made; ipcs -m | grep -c '^0x'"
+
+    async def main() -> list[str]:
+        one, two = await factory.start(), await factory.start()
+        try:
+            outputs = [(await one.execute(sh(f"{loopback}; {shared_memory}"))).output]  # TIME_WAIT on 8642
+            outputs.append((await two.execute(sh(f"{loopback}; ipcs -m | grep -c '^0x'; {lo_down}"))).output)
+            outputs.append((await one.execute(sh(f"{loopback}; ipcs -m | grep -c '^0x' || true"))).output)
+            outputs.append((await two.execute(sh(loopback))).output)
+            return outputs
+        finally:
+            await one.stop()
+            await two.stop()
+
+    outputs = asyncio.run(main())
+    factory.close()
+    assert outputs == [
+        "loopback ok\nmade\n1\n",
+        "loopback ok\n0\nlo down\n",
+        "loopback ok\n0\n",
+        "loopback ok\n",
+    ]
+
+
+def test_signal_dispositions_are_reset_for_the_command(tmp_path: Path) -> None:
+    """Whatever the main process ignores or blocks when the helper starts (Python ignores SIGPIPE; libraries and
+    test runners ignore or block others), the command starts with every signal at its default."""
+    factory = factory_for(tmp_path)
+
+    async def main() -> str:
+        sandbox = await factory.start()
+        try:
+            return (await sandbox.execute(sh("yes | head -2; grep -E '^Sig(Ign|Blk)' /proc/self/status"))).output
+        finally:
+            await sandbox.stop()
+
+    hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+    try:
+        output = asyncio.run(main())
+    finally:
+        signal.signal(signal.SIGHUP, hup)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    factory.close()
+    assert output == "y\ny\nSigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n"
+
+
+def _wait_for_process(marker: str, *, present: bool, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout != ""
+        if found == present:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{marker} {'never appeared' if present else 'still runs'} after {within}s")
+
+
+def test_cancelling_a_call_kills_the_command(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path)
+    marker = f"tvcache-cancel-{uuid.uuid4().hex[:8]}"
+
+    async def main() -> str:
+        sandbox = await factory.start()
+        call = asyncio.create_task(
+            sandbox.execute(sh(f"(exec -a {marker}-bg sleep 300 &); exec -a {marker} sleep 300"))
+        )
+        await asyncio.to_thread(_wait_for_process, marker, present=True)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        after = (await sandbox.execute(sh("echo still usable"))).output
+        await sandbox.stop()
+        return after
+
+    assert asyncio.run(main()) == "still usable\n"
+    factory.close()
+    _wait_for_process(marker, present=False)
+
+
+def test_the_zygote_is_per_factory_restarted_when_it_dies_and_ended_by_close(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = factory_for(tmp_path / "a"), factory_for(tmp_path / "b")
+    marker = f"tvcache-orphan-{uuid.uuid4().hex[:8]}"
+
+    async def main() -> list[str]:
+        one, two = await first.start(), await second.start()
+        outputs = [(await one.execute(sh("echo one"))).output, (await two.execute(sh("echo two"))).output]
+        assert first.zygote.pid is not None
+        assert second.zygote.pid not in (None, first.zygote.pid)
+        # A zygote killed under a running command: the call fails clearly, the command dies with it.
+        running = asyncio.create_task(one.execute(sh(f"exec -a {marker} sleep 300")))
+        await asyncio.to_thread(_wait_for_process, marker, present=True)
+        os.kill(first.zygote.pid, signal.SIGKILL)
+        with pytest.raises(SandboxError, match="zygote"):
+            await running
+        await asyncio.to_thread(_wait_for_process, marker, present=False)
+        outputs.append((await one.execute(sh("echo again"))).output)  # a new zygote
+        for sandbox in (one, two):
+            await sandbox.stop()
+        return outputs
+
+    assert asyncio.run(main()) == ["one\n", "two\n", "again\n"]
+    pid = first.zygote.pid
+    assert pid is not None
+    first.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    second.close()
+    assert second.zygote.pid is None
+
+
+def test_a_failing_confinement_is_a_clear_error(tmp_path: Path) -> None:
+    rootfs = tmp_path / "rootfs"
+    _install("/bin/bash", rootfs)  # no /dev to mount the minimal /dev on
+    factory = ShellSandbox.factory(rootfs, rootfs=True, fallback=False, store_root=tmp_path / "layers")
+
+    async def main() -> None:
+        sandbox = await factory.start()
+        try:
+            with pytest.raises(SandboxError, match="cannot run a command in the shell sandbox: .*'/dev'"):
+                await sandbox.execute(sh("echo hi"))
+        finally:
+            await sandbox.stop()
+
+    asyncio.run(main())
+    factory.close()
+
+
+def test_a_killed_process_leaves_no_zygote_and_no_command_behind(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    marker = f"tvcache-left-{uuid.uuid4().hex[:8]}"
+    script = textwrap.dedent(
+        f"""
+        import asyncio
+        from tvcache import ToolCall
+        from tvcache.sandboxes import ShellSandbox
+        async def main():
+            factory = ShellSandbox.factory({str(base)!r}, fallback=False, store_root={str(tmp_path / "layers")!r})
+            sandbox = await factory.start()
+            print(factory.zygote.pid, flush=True)
+            await sandbox.execute(ToolCall("sh", {{"cmd": "exec -a {marker} sleep 300"}}))
+        asyncio.run(main())
+        """
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    zygote = int(process.stdout.readline())
+    _wait_for_process(marker, present=True)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    _wait_for_process(marker, present=False)
+    deadline = time.monotonic() + 10
+    while not _exited(zygote) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _exited(zygote)
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie (a process whose parent was killed waits there for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_shell_benchmark_runs_and_reports_each_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tvcache.cli import main
+
+    report = tmp_path / "bench.json"
+    assert main(["bench", "shell", "--calls", "3", "--gaps", "0", "--json", str(report)]) == 0
+    figures = json.loads(report.read_text())
+    assert set(figures["latency"]["gap_0ms"]) == {"true", "echo x > f", "cat f"}
+    assert set(figures["breakdown"]) == {"process creation", "namespaces", "confinement steps", "upper digest"}
+    assert "mount proc" in figures["breakdown"]["confinement steps"]
+    assert figures["paths"]["gap_0ms"]["before_over_now_p50"] > 0
+    assert "before/now" in capsys.readouterr().out
+
+
+def test_commands_cannot_regain_the_capabilities_that_reach_past_the_sandbox(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path)
+
+    async def main() -> str:
+        sandbox = await factory.start()
+        try:
+            return (await sandbox.execute(sh("grep -E '^Cap(Bnd|Eff):' /proc/self/status"))).output
+        finally:
+            await sandbox.stop()
+
+    masks = dict(line.split(":") for line in asyncio.run(main()).splitlines())
+    factory.close()
+    for name in ("CapBnd", "CapEff"):
+        mask = int(masks[name], 16)
+        for cap in (2, 16, 17, 21, 27):  # dac_read_search, sys_module, sys_rawio, sys_admin, mknod
+            assert not mask & (1 << cap), (name, cap)

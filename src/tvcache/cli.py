@@ -44,7 +44,30 @@ def _bench(args: argparse.Namespace) -> int:
         sizes = tuple(int(size) for size in args.sizes.split(","))
         fork.run(sizes_mb=sizes, repeats=args.fork_repeats, json_path=args.json)
         return 0
+    if args.name == "shell":
+        from .bench import shell
+
+        gaps = tuple(float(gap) for gap in args.gaps.split(","))
+        shell.run(repeats=args.calls, gaps_ms=gaps, json_path=args.json)
+        return 0
+    if args.name == "published":
+        from .bench import published
+
+        profiles = tuple(_layer_profile(text) for text in args.layers.split(","))
+        published.run(profiles=profiles, repeats=args.publish_repeats, json_path=args.json)
+        return 0
     raise AssertionError(args.name)
+
+
+def _layer_profile(text: str) -> tuple[int, int]:
+    """``FILESxMIB`` (e.g. ``1000x1``): what one rollout step writes into the layer."""
+    files, _, mib = text.partition("x")
+    try:
+        return int(files), int(mib or 0)
+    except ValueError:
+        raise SystemExit(
+            f"tvcache bench published: --layers takes FILESxMIB items such as 1000x1, got {text!r}"
+        ) from None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -201,10 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name",
-        choices=["lookup", "server", "fork", "ray"],
+        choices=["lookup", "server", "fork", "shell", "published", "ray"],
         help="lookup: prefix-match latency and bytes per node; server: open-loop HTTP load on `tvcache serve`; "
-        "fork: overlay fork and snapshot latency next to copying the tree (root); ray: Ray shard actors vs HTTP "
-        "shards under the same lookup load (--rates, --duration, --keys, --shards)",
+        "fork: overlay fork and snapshot latency next to copying the tree (root); shell: per-command latency of "
+        "confined shell sandboxes next to folder sandboxes, and where the time goes (root; --calls, --gaps); "
+        "published: forking a shell snapshot another process published through a shared store, next to "
+        "rebuilding it by replay (root, GNU tar; --layers, --publish-repeats); "
+        "ray: Ray shard actors vs HTTP shards under the same lookup load (--rates, --duration, --keys, --shards)",
     )
     bench.add_argument("--nodes", type=int, default=100_000, help="graph size for lookup (default 100000)")
     bench.add_argument("--repeats", type=int, default=2000, help="lookups timed per depth (default 2000)")
@@ -216,6 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--shards", type=int, default=1, help="server: shard processes behind the load (default 1)")
     bench.add_argument("--sizes", default="10,1024", help="fork: base tree sizes in MB (default 10,1024)")
     bench.add_argument("--fork-repeats", type=int, default=200, help="fork: overlay forks timed per size (200)")
+    bench.add_argument("--calls", type=int, default=200, help="shell: calls timed per command and backend (200)")
+    bench.add_argument("--gaps", default="0,20", help="shell: think times between calls in ms (default 0,20)")
+    bench.add_argument(
+        "--layers", default="10x0,1000x1,2000x32", help="published: FILESxMIB written per layer (10x0,1000x1,2000x32)"
+    )
+    bench.add_argument("--publish-repeats", type=int, default=5, help="published: runs per layer, median (5)")
     bench.set_defaults(handler=_bench)
 
     replay = commands.add_parser(

@@ -1,2 +1,33 @@
 """Benchmarks, run as ``tvcache bench NAME``. Each prints figures measured side by side in one run and can
 write them as JSON (``--json PATH``). They are commands, never test assertions."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def overlay_scratch(name: str) -> Iterator[Path]:
+    """A scratch directory for a benchmark of overlay sandboxes (under ``$TVCACHE_BENCH_DIR`` if set), or exit
+    saying why it cannot run here."""
+    from ..sandboxes._linux import overlay_supported
+
+    if not overlay_supported():
+        raise SystemExit(f"tvcache bench {name}: overlay mounts need root on Linux >= 6.8")
+    with tempfile.TemporaryDirectory(prefix=f"tvcache-bench-{name}-", dir=os.environ.get("TVCACHE_BENCH_DIR")) as tmp:
+        yield Path(tmp)
+
+
+def latency_stats(samples: list[float]) -> dict[str, float]:
+    """p50 and p95 in milliseconds of timings in seconds, and how many there were."""
+    ordered = sorted(samples)
+    return {
+        "p50_ms": statistics.median(ordered) * 1000,
+        "p95_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))] * 1000,
+        "n": len(ordered),
+    }

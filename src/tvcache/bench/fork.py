@@ -14,14 +14,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from ..calls import ToolCall
 from ..protocol import Snapshot
+from . import latency_stats as _stats
+from . import overlay_scratch
 
 
 def make_tree(root: Path, total_bytes: int) -> Path:
@@ -38,15 +38,6 @@ def make_tree(root: Path, total_bytes: int) -> Path:
     for index in range(4):
         (root / f"large{index}.bin").write_bytes(os.urandom(min(large, 1 << 20)) * max(1, large >> 20))
     return root
-
-
-def _stats(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    return {
-        "p50_ms": statistics.median(ordered) * 1000,
-        "p95_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))] * 1000,
-        "n": len(ordered),
-    }
 
 
 async def _measure(base: Path, repeats: int, copy_repeats: int, scratch: Path) -> dict[str, Any]:
@@ -92,13 +83,8 @@ async def _measure(base: Path, repeats: int, copy_repeats: int, scratch: Path) -
 def run(
     *, sizes_mb: tuple[int, ...] = (10, 1024), repeats: int = 200, copy_repeats: int = 5, json_path: str | None = None
 ) -> dict[str, Any]:
-    from ..sandboxes._linux import overlay_supported
-
-    if not overlay_supported():
-        raise SystemExit("tvcache bench fork: overlay mounts need root on Linux >= 6.8")
     figures: dict[str, Any] = {"sizes": {}}
-    with tempfile.TemporaryDirectory(prefix="tvcache-bench-fork-", dir=os.environ.get("TVCACHE_BENCH_DIR")) as tmp:
-        scratch = Path(tmp)
+    with overlay_scratch("fork") as scratch:
         header = (
             f"{'tree':>7} | {'overlay fork p50/p95':>21} | {'snapshot p50/p95':>17} | {'copy fork p50/p95':>21} | ratio"
         )

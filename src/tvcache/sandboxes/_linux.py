@@ -9,7 +9,6 @@ hundreds of layers never hit the one-page limit of a mount option string.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 __all__ = [
@@ -26,12 +25,16 @@ __all__ = [
     "move_mount",
     "open_tree_clone",
     "open_tree_path",
+    "set_parent_death_signal",
     "set_recursive_readonly",
+    "setns",
     "umount",
     "unshare",
 ]
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+# The C library this interpreter is linked with (dlopen(NULL)); ctypes.util.find_library would run ldconfig, and
+# would weigh down the zygote process (see _zygote_process), which imports this module.
+_libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
 
@@ -51,6 +54,7 @@ CLONE_NEWNET = 0x40000000
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
+MS_NOEXEC = 8
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
@@ -68,12 +72,14 @@ FSCONFIG_SET_STRING = 1
 FSCONFIG_CMD_CREATE = 6
 MOUNT_ATTR_RDONLY = 1
 
+PR_SET_PDEATHSIG = 1
 PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38
 CAP_SYS_ADMIN = 21
 # Capabilities a sandboxed command could use to undo its confinement or reach past it.
-# sys_admin, sys_module, sys_rawio, sys_chroot, sys_boot, sys_time, mknod, perfmon, bpf
-CONFINING_CAPS = (CAP_SYS_ADMIN, 16, 17, 18, 22, 25, 27, 38, 39)
+# dac_read_search (open_by_handle_at reaches host files hidden under the private mounts), sys_admin, sys_module,
+# sys_rawio, sys_chroot, sys_boot, sys_time, mknod, perfmon, bpf
+CONFINING_CAPS = (2, CAP_SYS_ADMIN, 16, 17, 18, 22, 25, 27, 38, 39)
 
 
 class LinuxError(OSError):
@@ -95,6 +101,16 @@ def _path(value: str | bytes | None) -> bytes | None:
 
 def unshare(flags: int) -> None:
     _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def setns(fd: int, nstype: int) -> None:
+    """Move this process into the namespace ``fd`` refers to (for PID namespaces: its future children)."""
+    _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
+
+
+def set_parent_death_signal(signal: int) -> None:
+    """Have the kernel send ``signal`` to this process when the thread that forked it exits."""
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signal, 0, 0, 0), "prctl PR_SET_PDEATHSIG")
 
 
 def mount(

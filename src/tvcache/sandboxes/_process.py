@@ -1,6 +1,7 @@
-"""Running one sandboxed command: its own process group, capped merged output, a timeout, no leftovers.
+"""Running one sandboxed command: capped merged output, a timeout, no leftovers.
 
-Shared by the folder and shell sandboxes.
+Folder sandboxes run commands in their own process group (``run_command``); shell sandboxes in their own PID
+namespace, started by a zygote process (``run_confined``).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..calls import ToolCall, ToolSpec
 from ..errors import InvalidToolCall, SandboxError, UnknownTool
 from ..protocol import Outcome
+from ._zygote import Spawned, SpawnError, Zygote
 
+T = TypeVar("T")
 FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
 # How long to wait for the output pipe to close after the process group was killed.
 _DRAIN_SECONDS = 2.0
@@ -181,18 +184,77 @@ def command_timeout(arguments: Mapping[str, Any], limit: float) -> float:
 
 
 async def run_cancellable(argv: list[str], *, live_groups: set[int], **options: Any) -> ShellResult:
-    """``run_command`` in a worker thread. On cancellation the command is killed (a thread cannot be), and the
+    """``run_command`` in a worker thread, killed (with its whole group) when the caller is cancelled."""
+
+    def run(abandon: threading.Event) -> ShellResult:
+        return run_command(argv, live_groups=live_groups, abandon=abandon, **options)
+
+    def kill_all() -> None:
+        for group in list(live_groups):
+            kill_group(group)
+
+    return await run_in_worker(run, kill_all)
+
+
+async def run_in_worker(run: Callable[[threading.Event], T], kill_all: Callable[[], None]) -> T:
+    """``run(abandon)`` in a worker thread. On cancellation the command is killed (a thread cannot be), and the
     caller waits until the thread is done, so nothing still runs when the next call or ``stop()`` comes."""
     abandon = threading.Event()
-    work = asyncio.ensure_future(
-        asyncio.to_thread(run_command, argv, live_groups=live_groups, abandon=abandon, **options)
-    )
+    work = asyncio.ensure_future(asyncio.to_thread(run, abandon))
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
         abandon.set()
-        for group in list(live_groups):
-            kill_group(group)
+        kill_all()
         with contextlib.suppress(Exception):
             await work
         raise
+
+
+def run_confined(
+    zygote: Zygote,
+    argv: list[str],
+    *,
+    env: Mapping[str, str],
+    mount_fd: int,
+    timeout: float,
+    limit: int,
+    live: set[Spawned],
+    abandon: threading.Event,
+) -> ShellResult:
+    """Run ``argv`` confined, started by ``zygote`` as PID 1 of a new PID namespace, with merged, capped output.
+
+    When PID 1 ends (or is killed on timeout), the kernel kills everything else in its namespace before its
+    exit is reported, so nothing the command started outlives the call.
+    """
+    read_end, write_end = os.pipe()
+    try:
+        spawned = zygote.spawn(argv, env=env, mount_fd=mount_fd, output_fd=write_end)
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)
+    reader = OutputReader(read_end, limit)
+    reader.start()
+    try:
+        spawned.wait_started()
+        live.add(spawned)
+        # Registered first, checked second: a canceller either finds the command in live or sees abandon set.
+        exited = spawned.wait(0 if abandon.is_set() else timeout)
+    finally:
+        spawned.kill()  # a no-op once it exited
+        spawned.wait(None)
+        live.discard(spawned)
+        spawned.close()
+    reader.join(_DRAIN_SECONDS)
+    if spawned.errors or spawned.returncode is None:
+        raise SpawnError(0, "; ".join(spawned.errors) or "the command was not started")
+    output, total = reader.result()
+    return ShellResult(
+        output=output,
+        total_bytes=total,
+        returncode=spawned.returncode,
+        timed_out=not exited,
+        escaped=reader.is_alive(),
+    )

@@ -9,9 +9,11 @@ sync on freeze), are shared and reference counted, and are squashed into one whe
 The overlay is a *detached* mount held by a file descriptor, never attached in the host's mount namespace.
 Each command gets its own mount, PID, network, IPC and UTS namespaces: there the whole host is read-only, the
 sandbox's merged tree is attached at the base tree's own path (so every sandbox, and every uncached run, sees
-the same paths), ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run`` are private and empty, the network is a
-loopback of its own, and the capabilities that could undo any of this are dropped. The command is PID 1's
-child in its PID namespace: when it ends or times out, everything it started dies with it.
+the same paths), ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run`` are private and empty, ``/proc`` shows only
+the command's own processes, the network is a loopback of its own, and the capabilities that could undo any of
+this are dropped. bash is PID 1 of its PID namespace: when it ends or times out, everything it started dies
+with it. Commands are started by a small helper process per factory (``_zygote``), so the caller's large
+Python process is never forked per command.
 
 Needs root (or overlay mounts in general); otherwise ``ShellSandbox.factory`` falls back to copying the tree
 (``FolderSandbox``), with a warning.
@@ -21,17 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-import socket
 import stat
-import struct
 import subprocess
+import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
@@ -39,7 +40,17 @@ from ..calls import ToolCall, ToolSpec
 from ..errors import SandboxError, SnapshotDeclined
 from ..protocol import Outcome, Snapshot
 from . import _linux
-from ._process import FIXED_PATH, command_timeout, fixed_environment, render_shell, run_cancellable, validated
+from ._process import (
+    FIXED_PATH,
+    ShellResult,
+    command_timeout,
+    fixed_environment,
+    render_shell,
+    run_confined,
+    run_in_worker,
+    validated,
+)
+from ._zygote import Confinement, Spawned, Zygote
 from .folder import SH_TOOL, FolderSandbox, FolderSandboxFactory
 from .layers import Layer, LayerStore, upper_digest
 
@@ -47,9 +58,14 @@ __all__ = ["ShellSandbox", "ShellSandboxFactory"]
 
 KIND = "shell"
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
-_SIOCSIFFLAGS = 0x8914
-_IFF_UP = 0x1
-_LOOPBACK_UP = struct.pack("16sH14s", b"lo", _IFF_UP, b"")
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Ran:
+    result: ShellResult
+    before: str | None  # digests of the upper layer around the command, when proving read-only calls
+    after: str | None
 
 
 class ShellSandboxFactory:
@@ -91,6 +107,8 @@ class ShellSandboxFactory:
             dict(environment) if environment is not None else fixed_environment("/root" if rootfs else str(base))
         )
         self.store = LayerStore(Path(store_root) if store_root is not None else None)
+        self.confinement = _confinement(base, rootfs=rootfs)
+        self.zygote = Zygote(self.confinement)  # started with the first sandbox; ends with close() or the process
         self._tools: Mapping[str, ToolSpec] = MappingProxyType({SH_TOOL.name: SH_TOOL})
         self.cost_hints: dict[str, float] = {"start": 0.001, "fork": 0.001, "snapshot": 0.001}
 
@@ -135,7 +153,8 @@ class ShellSandboxFactory:
         return layers
 
     def close(self) -> None:
-        """Delete the factory's layer store; its sandboxes and snapshots stop working."""
+        """Delete the factory's layer store and end its zygote; its sandboxes and snapshots stop working."""
+        self.zygote.close()
         self.store.close()
 
     def __repr__(self) -> str:
@@ -149,7 +168,7 @@ class ShellSandbox:
         self._factory = factory
         self._store = factory.store
         self._lock = asyncio.Lock()
-        self._live_groups: set[int] = set()
+        self._live: set[Spawned] = set()
         self._stack = list(layers)  # newest first, above the base; their references are ours now
         self._upper, self._work = self._store.new_upper()
         self._mount_fd: int | None = None
@@ -161,6 +180,8 @@ class ShellSandbox:
         except BaseException:
             self._teardown()
             raise
+        with contextlib.suppress(OSError):  # boots while the caller gets to its first command (which retries)
+            factory.zygote.start()
 
     @classmethod
     def factory(
@@ -236,36 +257,44 @@ class ShellSandbox:
         timeout = command_timeout(arguments, self._factory.timeout)
         async with self._lock:
             mount_fd = self._require_open()
-            prove = self._factory.prove_read_only
-            before = (self._last_digest or await asyncio.to_thread(upper_digest, self._upper)) if prove else None
-            self._last_digest = None
-            outcome = await self._run(mount_fd, arguments["cmd"], timeout)
-            changed: bool | None = None
-            if prove:
-                self._last_digest = await asyncio.to_thread(upper_digest, self._upper)
-                changed = before != self._last_digest
+            known, self._last_digest = self._last_digest, None
+            ran = await self._run(mount_fd, arguments["cmd"], timeout, known_digest=known)
+            self._last_digest = ran.after
+        outcome = render_shell(ran.result, self._factory.max_output_bytes, timeout)
+        changed = None if ran.after is None else ran.before != ran.after
         return Outcome(
             output=outcome.output, is_error=outcome.is_error, changed_state=changed, deterministic=outcome.deterministic
         )
 
-    async def _run(self, mount_fd: int, command: str, timeout: float) -> Outcome:
+    async def _run(self, mount_fd: int, command: str, timeout: float, *, known_digest: str | None) -> _Ran:
+        """The command, and the digests of the upper around it when proving read-only calls, all in one worker
+        thread (each hop between threads costs more than digesting a small upper)."""
         factory = self._factory
-        # unshare(1) with no namespace flags only forks: its child, bash, is PID 1 of the new PID namespace, so
-        # when bash ends the kernel kills every process the command left behind.
-        argv = ["/usr/bin/unshare", "--fork", "--kill-child", factory.bash, "-c", command]
-        try:
-            result = await run_cancellable(
-                argv,
-                live_groups=self._live_groups,
-                cwd=None,
+        live, upper = self._live, self._upper
+        prove = factory.prove_read_only
+
+        def run(abandon: threading.Event) -> _Ran:
+            before = (known_digest or upper_digest(upper)) if prove else None
+            result = run_confined(
+                factory.zygote,
+                [factory.bash, "-c", command],
                 env=factory.environment,
+                mount_fd=mount_fd,
                 timeout=timeout,
                 limit=factory.max_output_bytes,
-                preexec=_confine(mount_fd, factory.base, rootfs=factory.rootfs),
+                live=live,
+                abandon=abandon,
             )
-        except (OSError, subprocess.SubprocessError) as error:
+            return _Ran(result=result, before=before, after=upper_digest(upper) if prove else None)
+
+        def kill_all() -> None:
+            for spawned in list(live):
+                spawned.kill()
+
+        try:
+            return await run_in_worker(run, kill_all)
+        except OSError as error:
             raise SandboxError(f"cannot run a command in the shell sandbox: {error}") from error
-        return render_shell(result, factory.max_output_bytes, timeout)
 
     # --------------------------------------------------------- snapshots
 
@@ -379,9 +408,6 @@ class ShellSandbox:
         return [str(layer.path) for layer in self._stack]
 
 
-DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
-
-
 def _hard_linked(upper: Path) -> str | None:
     """A non-directory of ``upper`` with more than one name (files, FIFOs, symlinks...), relative to it, or None.
     Whiteouts (character devices 0/0) are skipped: overlay makes every whiteout a link of one shared inode."""
@@ -409,59 +435,9 @@ def _copy_root_attributes(source: Path, upper: Path) -> None:
     os.utime(upper, ns=(info.st_atime_ns, info.st_mtime_ns))
 
 
-def _confine(mount_fd: int, base: Path, *, rootfs: bool) -> Callable[[], None]:
-    """The code run in the child between fork and exec: enter fresh namespaces and confine the command.
-
-    Everything it needs is computed here, in the parent: the child only makes system calls.
-    """
-    base_path = str(base)
-    private = [path for path in PRIVATE_DIRS if os.path.isdir(path) and path != "/dev/shm"]
-    devices = [name for name in DEVICES if os.path.exists(f"/dev/{name}")]
-    flags = _linux.CLONE_NEWNS | _linux.CLONE_NEWPID | _linux.CLONE_NEWNET | _linux.CLONE_NEWIPC | _linux.CLONE_NEWUTS
-    tmpfs_flags = _linux.MS_NOSUID | _linux.MS_NODEV
-
-    def minimal_dev(device_trees: list[tuple[str, int]]) -> None:
-        """A /dev holding only harmless devices: no disk of the host can be opened from inside."""
-        _linux.mount("tmpfs", "/dev", "tmpfs", _linux.MS_NOSUID, "mode=755")
-        for name, tree in device_trees:
-            with open(f"/dev/{name}", "w"):
-                pass
-            _linux.move_mount(tree, f"/dev/{name}")
-            os.close(tree)
-        os.mkdir("/dev/shm", 0o1777)
-        _linux.mount("tmpfs", "/dev/shm", "tmpfs", tmpfs_flags, "mode=1777")
-        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1")):
-            os.symlink(target, f"/dev/{name}")
-        os.symlink("/proc/self/fd/2", "/dev/stderr")
-
-    def prelude() -> None:
-        _linux.unshare(flags)
-        _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
-        tree = _linux.open_tree_clone(mount_fd)
-        device_trees = [(name, _linux.open_tree_path(f"/dev/{name}")) for name in devices]
-        if rootfs:
-            _linux.move_mount(tree, base_path)
-            if os.path.isdir(base_path + "/proc"):
-                _linux.mount("/proc", base_path + "/proc", None, _linux.MS_BIND | _linux.MS_REC)
-                _linux.set_recursive_readonly(base_path + "/proc")
-            os.chroot(base_path)
-            os.chdir("/")
-            minimal_dev(device_trees)
-            for path in ("/tmp", "/run"):
-                if os.path.isdir(path):
-                    _linux.mount("tmpfs", path, "tmpfs", tmpfs_flags, "mode=1777")
-        else:
-            _linux.set_recursive_readonly("/")
-            minimal_dev(device_trees)
-            for path in private:
-                _linux.mount("tmpfs", path, "tmpfs", tmpfs_flags, "mode=1777")
-            os.makedirs(base_path, exist_ok=True)  # the base may sit under a private tmpfs now
-            _linux.move_mount(tree, base_path)
-            os.chdir(base_path)
-        os.close(tree)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            fcntl.ioctl(probe, _SIOCSIFFLAGS, _LOOPBACK_UP)
-        socket.sethostname("sandbox")
-        _linux.drop_bounding_capabilities()
-
-    return prelude
+def _confinement(base: Path, *, rootfs: bool) -> Confinement:
+    """What every command of a factory is confined by; the host directories and devices are looked up once."""
+    # /dev/shm comes with the minimal /dev; the others get a tmpfs each where they exist (checked inside).
+    private = ("/tmp", "/run") if rootfs else tuple(path for path in PRIVATE_DIRS if path != "/dev/shm")
+    devices = tuple(name for name in DEVICES if os.path.exists(f"/dev/{name}"))
+    return Confinement(base=str(base), rootfs=rootfs, private_dirs=private, devices=devices)

@@ -1,0 +1,376 @@
+"""The code that runs inside the zygote process and its children (see ``_zygote`` for the why and the protocol).
+
+This module is imported by a fresh ``python -I -S`` interpreter, so it imports only light standard-library
+modules and ``_linux``: each module the zygote loads is memory that every fork must copy the page tables of
+(forking a 4 MiB interpreter costs half what an 8 MiB one does). Typing names are imported for type checkers
+only, for the same reason.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import json
+import os
+import select
+import signal
+import socket
+import struct
+
+from . import _linux
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from typing import NoReturn
+
+SPARES = 2  # confined children kept ready; more concurrent commands fork theirs on demand
+MAX_REQUEST = 1 << 20  # argv strings are limited to 128 KiB each by the kernel; a packet to ~208 KiB by default
+MAX_REPLY = 1 << 16
+EXIT_FAILED = 127
+FD_BYTES = array.array("i").itemsize
+_SIOCSIFFLAGS = 0x8914
+_LOOPBACK_UP = struct.pack("16sH14s", b"lo", 0x1, b"")  # IFF_UP
+TMPFS_FLAGS = _linux.MS_NOSUID | _linux.MS_NODEV
+PROC_FLAGS = _linux.MS_NOSUID | _linux.MS_NODEV | _linux.MS_NOEXEC | _linux.MS_RDONLY
+
+
+# ------------------------------------------------------------------------------------------- messages
+
+
+def encode_request(argv: Sequence[str], env: dict[str, str]) -> bytes:
+    """argv, then ``KEY=VALUE`` strings, as length-prefixed bytes (any bytes survive), after a small header."""
+    strings = [json.dumps({"argc": len(argv)}).encode(), *(os.fsencode(item) for item in argv)]
+    strings += [os.fsencode(key) + b"=" + os.fsencode(value) for key, value in env.items()]
+    return b"".join(struct.pack("I", len(part)) + part for part in strings)
+
+
+def decode_request(data: bytes) -> tuple[list[bytes], dict[bytes, bytes]]:
+    parts, offset = [], 0
+    while offset < len(data):
+        (size,) = struct.unpack_from("I", data, offset)
+        parts.append(data[offset + 4 : offset + 4 + size])
+        offset += 4 + size
+    argc = json.loads(parts[0])["argc"]
+    env = dict(item.split(b"=", 1) for item in parts[1 + argc :])
+    return parts[1 : 1 + argc], env
+
+
+def message(**fields: object) -> bytes:
+    return json.dumps(fields).encode()
+
+
+def send(channel: socket.socket, data: bytes, fds: Sequence[int] = ()) -> None:
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    channel.sendmsg([data], ancillary)
+
+
+def receive(channel: socket.socket, buffer: bytearray, max_fds: int) -> tuple[bytes, list[int]]:
+    """One packet (into ``buffer``: no allocation per message) and its descriptors, close-on-exec."""
+    size, ancillary, _, _ = channel.recvmsg_into(
+        [buffer], socket.CMSG_SPACE(max_fds * FD_BYTES), socket.MSG_CMSG_CLOEXEC
+    )
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(array.array("i", data[: len(data) - len(data) % FD_BYTES]))
+    return bytes(buffer[:size]), fds
+
+
+# ------------------------------------------------------------------------------------- confinement
+
+
+class Confiner:
+    """The steps that confine a command, run by its own process: PID 1 of a new PID namespace.
+
+    ``prepare`` runs before the command is known (in a spare, ahead of time); ``enter`` attaches the sandbox's
+    tree once it is. Both are lists of named steps, so that ``tvcache bench shell`` can time each one.
+    """
+
+    def __init__(
+        self, *, base: str, rootfs: bool, private_dirs: Sequence[str], devices: Sequence[str], hostname: str
+    ) -> None:
+        self.base = base
+        self.rootfs = rootfs
+        self.private_dirs = list(private_dirs)
+        self.devices = list(devices)
+        self.hostname = hostname
+        self._device_trees: list[tuple[str, int]] = []
+        self._tree = -1
+
+    def prepare_steps(self) -> list[tuple[str, Callable[[], None]]]:
+        steps = [("unshare mount/net/ipc/uts", self.unshare), ("clone devices", self.clone_devices)]
+        if not self.rootfs:
+            steps += [("host read-only", self.host_read_only), ("mount proc", self.mount_proc)]
+            steps += [("minimal /dev", self.minimal_dev), ("private tmpfs", self.private_tmpfs)]
+        return [*steps, ("loopback up", self.loopback_up), ("hostname, capabilities", self.set_identity)]
+
+    def enter_steps(self, mount_fd: int) -> list[tuple[str, Callable[[], None]]]:
+        steps = [("clone the sandbox tree", lambda: self.clone_tree(mount_fd))]
+        if self.rootfs:
+            steps += [("attach tree, chroot", self.enter_rootfs), ("mount proc", self.mount_proc)]
+            return [*steps, ("minimal /dev", self.minimal_dev), ("private tmpfs", self.private_tmpfs)]
+        return [*steps, ("attach tree", self.attach_tree)]
+
+    def prepare(self) -> None:
+        for _, step in self.prepare_steps():
+            step()
+
+    def enter(self, mount_fd: int) -> None:
+        for _, step in self.enter_steps(mount_fd):
+            step()
+
+    def unshare(self) -> None:
+        _linux.unshare(_linux.CLONE_NEWNS | _linux.CLONE_NEWNET | _linux.CLONE_NEWIPC | _linux.CLONE_NEWUTS)
+        _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
+
+    def clone_devices(self) -> None:
+        """Detached copies of the harmless devices, taken before the host turns read-only."""
+        self._device_trees = [(name, _linux.open_tree_path(f"/dev/{name}")) for name in self.devices]
+
+    def host_read_only(self) -> None:
+        _linux.set_recursive_readonly("/")
+
+    def mount_proc(self) -> None:
+        """A proc of this PID namespace only: the host's would show host processes, and its
+        ``/proc/<pid>/root`` links lead into their (writable) mount namespace."""
+        if os.path.isdir("/proc"):
+            _linux.mount("proc", "/proc", "proc", PROC_FLAGS)
+
+    def minimal_dev(self) -> None:
+        """A /dev holding only harmless devices: no disk of the host can be opened from inside."""
+        _linux.mount("tmpfs", "/dev", "tmpfs", _linux.MS_NOSUID, "mode=755")
+        for name, tree in self._device_trees:
+            with open(f"/dev/{name}", "w"):
+                pass
+            _linux.move_mount(tree, f"/dev/{name}")
+            os.close(tree)
+        os.mkdir("/dev/shm", 0o1777)
+        _linux.mount("tmpfs", "/dev/shm", "tmpfs", TMPFS_FLAGS, "mode=1777")
+        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1")):
+            os.symlink(target, f"/dev/{name}")
+        os.symlink("/proc/self/fd/2", "/dev/stderr")
+
+    def private_tmpfs(self) -> None:
+        for path in self.private_dirs:
+            if os.path.isdir(path):
+                _linux.mount("tmpfs", path, "tmpfs", TMPFS_FLAGS, "mode=1777")
+        if not self.rootfs:
+            os.makedirs(self.base, exist_ok=True)  # the base may sit under a private tmpfs now
+
+    def loopback_up(self) -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            fcntl.ioctl(probe, _SIOCSIFFLAGS, _LOOPBACK_UP)
+
+    def set_identity(self) -> None:
+        """The hostname, then the capabilities bash will not get: dropping them from the bounding set limits
+        what the next exec grants, while this process keeps its own, which ``enter`` still needs."""
+        socket.sethostname(self.hostname)
+        _linux.drop_bounding_capabilities()
+
+    def clone_tree(self, mount_fd: int) -> None:
+        self._tree = _linux.open_tree_clone(mount_fd)
+
+    def enter_rootfs(self) -> None:
+        _linux.move_mount(self._tree, self.base)
+        os.close(self._tree)
+        os.chroot(self.base)
+        os.chdir("/")
+
+    def attach_tree(self) -> None:
+        _linux.move_mount(self._tree, self.base)
+        os.close(self._tree)
+        os.chdir(self.base)
+
+
+# ---------------------------------------------------------------------------------------- the loop
+
+
+class _Child:
+    """A forked child of the zygote: a spare waiting for its command, then the command itself."""
+
+    __slots__ = ("channel", "pid", "pidfd", "reply")
+
+    def __init__(self, pid: int, pidfd: int, channel: socket.socket) -> None:
+        self.pid = pid
+        self.pidfd = pidfd
+        self.channel = channel  # the zygote's end; the command arrives through it
+        self.reply: socket.socket | None = None  # the main's reply socket, once it runs a command
+
+
+class Server:
+    """The zygote's loop: hand each requested command to a spare, report its exit, keep spares ready."""
+
+    def __init__(self, control: socket.socket, confinement: dict[str, object]) -> None:
+        self.control = control
+        self.confinement = confinement
+        self.own_pid_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        self.alive, self.keep_alive = os.pipe()  # children watch ``alive``: its end of file means we are gone
+        self.poller = select.poll()
+        self.poller.register(control, select.POLLIN)
+        self.buffer = bytearray(MAX_REQUEST)
+        self.spares: list[_Child] = []
+        self.children: dict[int, _Child] = {}  # by pidfd: spares and running commands
+        self.running = 0
+        self.make_spares = True
+
+    def loop(self) -> None:
+        while True:
+            events = self.poller.poll(0 if self.wants_spare() else None)
+            if not events:  # nothing to answer: get a spare ready for a next command
+                try:
+                    self.spares.append(self.fork())
+                except OSError:
+                    self.make_spares = False  # retried after the next request
+                continue
+            for fd, _ in events:
+                if fd != self.control.fileno():
+                    self.reap(self.children.pop(fd))
+                elif not self.request():
+                    return
+
+    def wants_spare(self) -> bool:
+        """Refill at once when no spare is left; otherwise only while no command runs, because a fork and a
+        spare's setup running next to a command slow it down (on a small machine, by as much as they cost)."""
+        if not self.make_spares or len(self.spares) >= SPARES:
+            return False
+        return not self.spares or not self.running
+
+    def fork(self) -> _Child:
+        """A new child, PID 1 of a new PID namespace, which confines itself and then waits for its command."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            _linux.unshare(_linux.CLONE_NEWPID)  # for our next child only
+            try:
+                pid = os.fork()
+            except BaseException:
+                _linux.setns(self.own_pid_namespace, _linux.CLONE_NEWPID)
+                raise
+            if pid == 0:
+                _serve_one(theirs, self.confinement, self.alive)
+            _linux.setns(self.own_pid_namespace, _linux.CLONE_NEWPID)
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        child = _Child(pid, os.pidfd_open(pid), mine)
+        self.children[child.pidfd] = child
+        self.poller.register(child.pidfd, select.POLLIN)
+        return child
+
+    def request(self) -> bool:
+        data, fds = receive(self.control, self.buffer, 3)
+        if not data:
+            return False  # the main process closed the zygote, or died
+        self.make_spares = True
+        if len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            return True
+        reply = socket.socket(fileno=fds[0])
+        try:
+            child = self.spares.pop(0) if self.spares else self.fork()
+        except Exception as error:  # reported to the main process, which raises it
+            os.close(fds[1])
+            os.close(fds[2])
+            _reply_and_close(reply, message(error=f"cannot start the command: {error}"))
+            return True
+        child.reply = reply
+        self.running += 1
+        try:
+            # The pidfd first: the woken child may take this CPU until its command ends.
+            send(reply, message(pid=child.pid), [child.pidfd])
+            send(child.channel, data, fds)
+        except OSError as error:
+            _send_quietly(reply, message(error=f"cannot start the command: {error}"))
+            signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)  # its exit is reported as usual
+        finally:
+            os.close(fds[1])
+            os.close(fds[2])
+        return True
+
+    def reap(self, child: _Child) -> None:
+        self.poller.unregister(child.pidfd)
+        _, status = os.waitpid(child.pid, 0)
+        os.close(child.pidfd)
+        child.channel.close()
+        if child in self.spares:  # killed while it waited: make no more until the next request
+            self.spares.remove(child)
+            self.make_spares = False
+        if child.reply is not None:
+            self.running -= 1
+            _reply_and_close(child.reply, message(exited=os.waitstatus_to_exitcode(status)))
+
+
+def serve(control_fd: int, confinement: str) -> None:
+    """The zygote's entry point: serve the main process until it closes the control socket."""
+    Server(socket.socket(fileno=control_fd), json.loads(confinement)).loop()
+
+
+def _send_quietly(reply: socket.socket, data: bytes) -> None:
+    try:
+        send(reply, data)
+    except OSError:
+        pass  # the main process gave up on this command
+
+
+def _reply_and_close(reply: socket.socket, data: bytes) -> None:
+    _send_quietly(reply, data)
+    reply.close()
+
+
+def _default_signals() -> None:
+    """Every signal at its default disposition and none blocked, as in a fresh process: what the command gets
+    must not depend on what the main process (or a library in it) ignored or blocked when the zygote started."""
+    for number in range(1, signal.NSIG):
+        if number in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            signal.signal(number, signal.SIG_DFL)
+        except (OSError, ValueError):  # real-time signals the interpreter does not know, or reserved ones
+            pass
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _serve_one(channel: socket.socket, confinement: dict[str, object], alive: int) -> NoReturn:
+    """In a forked child, PID 1 of its new PID namespace: confine, wait for one command, exec it. Never returns."""
+    reply_fd = -1
+    try:
+        keep = sorted({channel.fileno(), alive})
+        os.closerange(3, keep[0])  # the zygote's other descriptors: other children's channels, replies...
+        os.closerange(keep[0] + 1, keep[1])
+        os.closerange(keep[1] + 1, 1 << 20)
+        _linux.set_parent_death_signal(signal.SIGKILL)
+        if select.select([alive], [], [], 0)[0]:
+            os._exit(EXIT_FAILED)  # the zygote died before the line above
+        os.close(alive)
+        os.setsid()
+        confiner = Confiner(**confinement)  # type: ignore[arg-type]
+        failure: BaseException | None = None
+        try:
+            confiner.prepare()
+        except Exception as error:  # reported with the command it fails
+            failure = error
+        data, fds = receive(channel, bytearray(MAX_REQUEST), 3)
+        if not data or len(fds) != 3:
+            os._exit(EXIT_FAILED)  # the zygote discarded this spare
+        reply_fd, output_fd, mount_fd = fds
+        if failure is not None:
+            raise failure
+        argv, env = decode_request(data)
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(output_fd, 1)
+        os.dup2(output_fd, 2)
+        confiner.enter(mount_fd)
+        _default_signals()
+        os.execve(argv[0], argv, env)
+    except BaseException as error:  # the child must never return into the zygote's loop
+        if reply_fd >= 0:
+            try:
+                os.write(reply_fd, message(error=f"{type(error).__name__}: {error}"))
+            except BaseException:
+                pass
+    finally:
+        os._exit(EXIT_FAILED)
