@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import random
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tvcache import AlwaysSnapshot, Budget, Cache, CostAwareSnapshots, SandboxError, SnapshotDeclined, ToolCall
-from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory
+from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory, _linux
 from tvcache.sandboxes._linux import overlay_supported
 from tvcache.sandboxes.layers import LayerStore
 from tvcache.workloads.shell import BUGS, make_project
@@ -638,9 +639,14 @@ def test_signal_dispositions_are_reset_for_the_command(tmp_path: Path) -> None:
 
     hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+    ignore = ctypes.create_string_buffer(32)  # a raw sigaction: SIG_IGN (1); signal 32 is glibc's own
+    ignore[0] = 1
+    saved = ctypes.create_string_buffer(32)
+    assert _linux._syscall(_linux.SYS_RT_SIGACTION, 32, ignore, saved, 8) == 0
     try:
         output = asyncio.run(main())
     finally:
+        _linux._syscall(_linux.SYS_RT_SIGACTION, 32, saved, None, 8)
         signal.signal(signal.SIGHUP, hup)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     factory.close()

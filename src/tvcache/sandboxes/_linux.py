@@ -19,6 +19,7 @@ __all__ = [
     "CLONE_NEWPID",
     "CLONE_NEWUTS",
     "LinuxError",
+    "default_signal_dispositions",
     "drop_bounding_capabilities",
     "mount",
     "mount_overlay",
@@ -38,6 +39,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
 
+# rt_sigaction is one of the few calls whose number differs between the two architectures.
+SYS_RT_SIGACTION = 134 if os.uname().machine == "aarch64" else 13
 SYS_OPEN_TREE = 428
 SYS_MOVE_MOUNT = 429
 SYS_FSOPEN = 430
@@ -186,6 +189,16 @@ def set_recursive_readonly(path: str | bytes) -> None:
         _syscall(SYS_MOUNT_SETATTR, AT_FDCWD, _path(path), AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr)),
         f"mount_setattr {path!r}",
     )
+
+
+def default_signal_dispositions() -> None:
+    """Every catchable signal back to its default, including the two the C library keeps for itself (32, 33),
+    which ``signal.signal`` cannot touch but a process may have inherited as ignored. Errors are ignored: a
+    number the kernel refuses has nothing to reset."""
+    action = ctypes.create_string_buffer(32)  # the kernel's sigaction, all zero: SIG_DFL, no flags, empty mask
+    for number in range(1, 65):
+        if number not in (9, 19):  # SIGKILL, SIGSTOP
+            _syscall(SYS_RT_SIGACTION, number, action, None, 8)
 
 
 def drop_bounding_capabilities(caps: tuple[int, ...] = CONFINING_CAPS) -> None:

@@ -323,13 +323,7 @@ def _reply_and_close(reply: socket.socket, data: bytes) -> None:
 def _default_signals() -> None:
     """Every signal at its default disposition and none blocked, as in a fresh process: what the command gets
     must not depend on what the main process (or a library in it) ignored or blocked when the zygote started."""
-    for number in range(1, signal.NSIG):
-        if number in (signal.SIGKILL, signal.SIGSTOP):
-            continue
-        try:
-            signal.signal(number, signal.SIG_DFL)
-        except (OSError, ValueError):  # real-time signals the interpreter does not know, or reserved ones
-            pass
+    _linux.default_signal_dispositions()
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
