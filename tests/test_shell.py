@@ -803,3 +803,32 @@ def test_commands_cannot_regain_the_capabilities_that_reach_past_the_sandbox(tmp
         mask = int(masks[name], 16)
         for cap in (2, 16, 17, 21, 27):  # dac_read_search, sys_module, sys_rawio, sys_admin, mknod
             assert not mask & (1 << cap), (name, cap)
+
+
+def test_the_upper_digest_covers_every_entry_in_a_fixed_order(tmp_path: Path) -> None:
+    """The fast walk hashes what a plain ``os.walk`` + ``lstat`` in name order does, and sees any change."""
+    import hashlib
+
+    from tvcache.sandboxes.layers import upper_digest
+
+    def reference(upper: Path) -> str:
+        hasher = hashlib.blake2b(digest_size=16)
+        for directory, dirs, files in os.walk(upper):
+            dirs.sort()
+            for name in sorted(dirs + files):
+                path = os.path.join(directory, name)
+                info = os.lstat(path)
+                fields = (info.st_mode, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_rdev)
+                hasher.update(b"%s\0%o %d %d %d %d %d\n" % (os.fsencode(os.path.relpath(path, upper)), *fields))
+        return hasher.hexdigest()
+
+    upper = tmp_path / "upper"
+    for index, name in enumerate(["b/deep/er", "a", "a-b/x", "a.b", "c/d"]):
+        (upper / name).mkdir(parents=True)
+        (upper / name / f"f{index}").write_text(name)
+    os.symlink("a", upper / "link-to-dir")
+    os.mkfifo(upper / "c" / "pipe")
+    before = upper_digest(upper)
+    assert before == reference(upper)
+    (upper / "a-b" / "x" / "f2").write_text("changed")
+    assert upper_digest(upper) == reference(upper) != before

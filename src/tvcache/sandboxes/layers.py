@@ -58,26 +58,28 @@ def upper_digest(upper: Path) -> str:
     """Digest of everything a command could have changed: the upper layer's entries and their metadata.
 
     ctime moves on every write, chmod, xattr or rename, so metadata alone detects any change without reading
-    file contents; a call that leaves the digest unchanged is proved read-only.
+    file contents; a call that leaves the digest unchanged is proved read-only. Entries are visited depth first
+    in name order (``scandir``: about twice as fast as ``os.walk`` plus ``lstat``; this runs around every call).
     """
     hasher = hashlib.blake2b(digest_size=16)
-    for directory, dirs, files in os.walk(upper):
-        dirs.sort()
-        for name in sorted(dirs + files):
-            path = os.path.join(directory, name)
-            info = os.lstat(path)
-            hasher.update(
+    update = hasher.update
+    root = os.fspath(upper)
+    prefix = len(root) + 1
+    pending = [root]
+    while pending:
+        with os.scandir(pending.pop()) as listing:
+            entries = sorted(listing, key=lambda entry: entry.name)
+        below = []
+        for entry in entries:
+            info = entry.stat(follow_symlinks=False)
+            relative = os.fsencode(entry.path[prefix:])
+            update(
                 b"%s\0%o %d %d %d %d %d\n"
-                % (
-                    os.fsencode(os.path.relpath(path, upper)),
-                    info.st_mode,
-                    info.st_size,
-                    info.st_mtime_ns,
-                    info.st_ctime_ns,
-                    info.st_ino,
-                    info.st_rdev,
-                )
+                % (relative, info.st_mode, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_rdev)
             )
+            if stat.S_ISDIR(info.st_mode):
+                below.append(entry.path)
+        pending.extend(reversed(below))  # the first subdirectory is visited next
     return hasher.hexdigest()
 
 
