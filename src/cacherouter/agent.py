@@ -117,6 +117,7 @@ class Agent:
         limit = self.config.round_limit
         deep: list[str] = []
         calls: list[CallRecord] = []
+        answer: str | None = None  # the model's final text, once it answers without calling tools
         while True:
             if rounds + penalty >= limit:
                 if deep:
@@ -133,20 +134,10 @@ class Agent:
                 )
             )
             rounds += 1
-            if not reply.tool_calls:
-                text = _strip_markers(reply.content)
-                new.append(reply.assistant_message())
-                self._finish(session, new, text, "tools")
-                return Answer(
-                    text=text,
-                    path="tools",
-                    rounds=rounds,
-                    router_calls=router_calls,
-                    calls=tuple(calls),
-                    errors=errors,
-                    deep_thinking=tuple(deep),
-                )
             new.append(reply.assistant_message())
+            if not reply.tool_calls:
+                answer = _strip_markers(reply.content)
+                break
             context = [str(m.get("content", ""))[:300] for m in new if m.get("role") == "tool"][-3:]
             results = self._run_calls(session.view, reply.tool_calls, context)
             failed_round = False
@@ -169,11 +160,12 @@ class Agent:
                     deep.append(reason)
                     limit = self.config.extended_round_limit
                     new.append({"role": "user", "content": DEEP_THINKING.format(reason=reason)})
-        text = self._fallback(session, system, new)
-        self._finish(session, new, text, "fallback")
+        path = "tools" if answer is not None else "fallback"
+        text = answer if answer is not None else self._fallback(session, system, new)
+        self._finish(session, new, text, path)
         return Answer(
             text=text,
-            path="fallback",
+            path=path,
             rounds=rounds,
             router_calls=router_calls,
             calls=tuple(calls),
