@@ -11,6 +11,7 @@ import random
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -803,6 +804,29 @@ def test_commands_cannot_regain_the_capabilities_that_reach_past_the_sandbox(tmp
         mask = int(masks[name], 16)
         for cap in (2, 16, 17, 21, 27):  # dac_read_search, sys_module, sys_rawio, sys_admin, mknod
             assert not mask & (1 << cap), (name, cap)
+
+
+def test_device_nodes_in_the_tree_cannot_be_opened(tmp_path: Path) -> None:
+    """A device node in a layer (a forged published blob, a stray one in the base) is not a way to the host's
+    devices: the overlay is mounted nodev, while the sandbox's own /dev keeps working."""
+    base = tmp_path / "base"
+    base.mkdir()
+    os.mknod(base / "zero", 0o666 | stat.S_IFCHR, os.makedev(1, 5))
+    factory = factory_for(tmp_path)
+
+    async def main() -> tuple[str, str]:
+        sandbox = await factory.start()
+        try:
+            tree = (await sandbox.execute(sh("head -c 4 zero | wc -c"))).output
+            own = (await sandbox.execute(sh("head -c 4 /dev/zero | wc -c"))).output
+            return tree, own
+        finally:
+            await sandbox.stop()
+
+    tree, own = asyncio.run(main())
+    factory.close()
+    assert "Permission denied" in tree, tree
+    assert own.strip() == "4"
 
 
 def test_the_upper_digest_covers_every_entry_in_a_fixed_order(tmp_path: Path) -> None:

@@ -74,6 +74,7 @@ FSCONFIG_SET_FLAG = 0
 FSCONFIG_SET_STRING = 1
 FSCONFIG_CMD_CREATE = 6
 MOUNT_ATTR_RDONLY = 1
+MOUNT_ATTR_NODEV = 4
 
 PR_SET_PDEATHSIG = 1
 PR_CAPBSET_DROP = 24
@@ -142,7 +143,9 @@ def mount_overlay(lowers: list[str], upper: str, work: str) -> int:
         # it, and not after: cached and uncached runs would differ.
         _fsconfig_string(fs_fd, b"redirect_dir", "on")
         _check(_syscall(SYS_FSCONFIG, fs_fd, FSCONFIG_CMD_CREATE, None, None, 0), "fsconfig create overlay")
-        return _check(_syscall(SYS_FSMOUNT, fs_fd, FSMOUNT_CLOEXEC, 0), "fsmount overlay")
+        # nodev: a device node in a layer (a forged published blob, or a base tree's stray one) cannot be opened
+        # from inside the sandbox; commands get their devices from the sandbox's own /dev.
+        return _check(_syscall(SYS_FSMOUNT, fs_fd, FSMOUNT_CLOEXEC, MOUNT_ATTR_NODEV), "fsmount overlay")
     finally:
         os.close(fs_fd)
 
