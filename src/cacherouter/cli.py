@@ -94,6 +94,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             f"{r.workload:<9} {r.architecture:<12} {s.requests:>8} {s.prompt_tokens:>10} {s.cached_tokens:>10} "
             f"{_pct(s.hit_rate):>8} {_pct(s.cost_ratio):>10} {cost:>20.0f} {r.main_tool_segments:>14}"
         )
+    print("\nWhere the miss tokens go (first request = a cold cache; then each channel's requests):")
+    for r in results:
+        parts = ", ".join(f"{source} {tokens:,}" for source, tokens in r.misses.items())
+        print(f"{r.workload:<9} {r.architecture:<12} {sum(r.misses.values()):>8,}  = {parts}")
     if args.json:
         Path(args.json).write_text(json.dumps(results_json(results, tokenizer.name, ranker=ranker), indent=2) + "\n")
         print(f"figures written to {args.json}")

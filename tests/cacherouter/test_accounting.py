@@ -109,3 +109,6 @@ def test_eval_command_writes_json(tmp_path):
     data = json.loads(out.read_text())
     assert {r["architecture"] for r in data["runs"]} == {"cacherouter", "all-tools", "dynamic"}
     assert data["models"].startswith("scripted")
+    for run in data["runs"]:  # the breakdown accounts for every miss token, no more
+        assert sum(run["miss_tokens_by_source"].values()) == run["prompt_tokens"] - run["cached_tokens"]
+    assert "Where the miss tokens go" in proc.stdout

@@ -172,6 +172,20 @@ class RunResult:
     paths: dict[str, int]
     router_calls: int
     problems: tuple[str, ...]
+    misses: dict[str, int]  # miss tokens: the cold first request, then the rest by channel
+
+
+def _miss_breakdown(ledger: Ledger) -> dict[str, int]:
+    """Where the miss tokens go: the first request (a cold cache: the whole head) apart, the rest by channel.
+    Requests whose provider did not report cached tokens are left out, as in the hit rate."""
+    out: dict[str, int] = {}
+    for index, record in enumerate(ledger.records):
+        usage = record.usage
+        if usage.prompt_tokens is None or usage.cached_tokens is None:
+            continue
+        key = "first request" if index == 0 else record.channel
+        out[key] = out.get(key, 0) + usage.prompt_tokens - usage.cached_tokens
+    return out
 
 
 def run_workload(
@@ -266,6 +280,7 @@ def run_workload(
         paths=paths,
         router_calls=router_calls,
         problems=problems,
+        misses=_miss_breakdown(ledger),
     )
 
 
@@ -315,6 +330,7 @@ def results_json(results: Sequence[RunResult], tokenizer_name: str, *, ranker: s
                 "paths": r.paths,
                 "router_calls": r.router_calls,
                 "registry_problems": list(r.problems),
+                "miss_tokens_by_source": r.misses,
             }
             for r in results
         ],
