@@ -19,7 +19,7 @@ from .canonical import canonical_json
 from .errors import CacheRouterError
 from .gateway import Gateway
 from .mainview import MainView
-from .models import ChatModel, ChatRequest, Message, ToolCall
+from .models import ChatModel, ChatRequest, ChatResponse, Message, ToolCall
 from .prompts import (
     DEEP_THINKING,
     DIRECT_ANSWER,
@@ -31,7 +31,7 @@ from .prompts import (
     UNCERTAIN,
 )
 from .router import Router, router_arguments
-from .session import Session
+from .session import Session, answer_tool_calls
 
 # Output that reports failure although the process exited 0: the "implicit" errors.
 IMPLICIT_ERROR = re.compile(
@@ -104,10 +104,12 @@ class Agent:
                     channel="triage",
                 )
             )
-            if NEED_TOOLS not in reply.content:
+            if _is_direct(reply):
                 text = _strip_markers(reply.content)
                 self._finish(session, [user, reply.assistant_message()], text, "direct")
                 return Answer(text=text, path="direct", rounds=0, router_calls=0, calls=(), errors=0, deep_thinking=())
+        # Anything else -- NEED_TOOLS, no marker at all, or tool calls the provider let through despite
+        # tool_choice="none" -- goes to the tool loop, as the paper's Algorithm 1 does. The triage reply is not kept.
         return self._loop(session, system, user)
 
     def _loop(self, session: Session, system: Message, user: Message) -> Answer:
@@ -231,14 +233,19 @@ class Agent:
         """Append the turn to both streams. ``new`` holds the model's replies exactly as it produced them (markers
         included): providers persist a request's output as a cache boundary, so the next request hits through
         the reply only if the history repeats its bytes. ``text`` is the answer shown to the user."""
-        session.full.extend(new)
-        reply = str(new[-1].get("content") or "")
+        session.full.extend(answer_tool_calls(new))  # a provider may return tool calls where none can run
+        reply = str(next((m for m in reversed(new) if m.get("role") == "assistant"), {}).get("content") or "")
         limit = self.config.summary_chars
         summary = reply if len(reply) <= limit else reply[:limit] + "..."
         session.compact.extend([new[0], {"role": "assistant", "content": summary}])
         session.turns.append({"query": new[0]["content"], "answer": text, "path": path})
         if self.config.sessions_dir is not None:
             session.save(self.config.sessions_dir)
+
+
+def _is_direct(reply: ChatResponse) -> bool:
+    """Triage answers directly only on the direct-answer marker, with no tool calls and no NEED_TOOLS marker."""
+    return DIRECT_ANSWER in reply.content and NEED_TOOLS not in reply.content and not reply.tool_calls
 
 
 def _strip_markers(text: str) -> str:

@@ -8,14 +8,17 @@ module-level literal constants, or the well-known argparse names.
 
 Anything that makes the text an unreliable picture of the runtime parser — ``add_argument`` in a loop, on a
 parser passed in from elsewhere, with ``*args``/``**kwargs``, sub-commands, parent parsers, two parsers that
-both take arguments — yields :class:`Extraction` with a ``dynamic_reason``. The caller then reports the script
+both take arguments, one name bound to several parsers, ``add_argument`` under a condition the parser does not
+share, a non-default ``prefix_chars``, a computed ``set_defaults`` — yields :class:`Extraction` with a
+``dynamic_reason``. The caller then reports the script
 or, only if explicitly allowed, falls back to :mod:`cacherouter.reflection`.
 """
 
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import SchemaError
@@ -35,6 +38,8 @@ _ACTIONS: dict[str, Action] = {
 _IGNORED_ACTIONS = frozenset({"help", "version"})
 _NARGS_NAMES = {"OPTIONAL": "?", "ZERO_OR_MORE": "*", "ONE_OR_MORE": "+", "REMAINDER": "..."}
 _MAX_RANGE_CHOICES = 256
+# Statements and expressions whose body may not run: an argument added there may not exist at run time.
+_CONDITIONALS = (ast.If, ast.Try, ast.TryStar, ast.ExceptHandler, ast.Match, ast.match_case, ast.IfExp, ast.BoolOp)
 
 
 class _Dynamic(Exception):
@@ -60,16 +65,23 @@ _SUPPRESS = object()
 def extract_static(source: str, *, filename: str = "<script>") -> Extraction:
     """Extract the argparse schema of ``source`` by reading it; never imports or runs it.
 
-    Raises :class:`SchemaError` when the source does not parse as Python.
+    Raises :class:`SchemaError` when the source does not parse as Python, or is too deeply nested to analyse.
     """
     try:
         tree = ast.parse(source, filename=filename)
     except SyntaxError as e:
-        raise SchemaError(f"{filename}: not valid Python (line {e.lineno}: {e.msg}); fix the script") from e
+        where = f"line {e.lineno}: " if e.lineno else ""  # e.g. null bytes carry no line
+        raise SchemaError(f"{filename}: not valid Python ({where}{e.msg}); fix the script") from e
+    except ValueError as e:  # null bytes (before Python 3.11.4), lone surrogates
+        raise SchemaError(f"{filename}: not valid Python ({e}); fix the script") from e
+    except (RecursionError, MemoryError) as e:  # the parser's own limits: a hostile or generated script
+        raise SchemaError(f"{filename}: too deeply nested for the Python parser; simplify the script") from e
     try:
         return Extraction(schema=_Analyser(tree).run())
     except _Dynamic as e:
         return Extraction(schema=None, dynamic_reason=str(e))
+    except (RecursionError, MemoryError) as e:  # ast.unparse and friends recurse on deep expressions
+        raise SchemaError(f"{filename}: an expression is too deeply nested to analyse; simplify the script") from e
 
 
 class _Analyser:
@@ -146,8 +158,7 @@ class _Analyser:
         for node in ast.walk(self.tree):
             if isinstance(node, ast.Call) and self._argparse_attr(node.func) == "ArgumentParser":
                 all_parser_calls.append(node)
-                if any(kw.arg == "parents" for kw in node.keywords):
-                    raise _Dynamic("the parser inherits arguments from parent parsers (parents=...)")
+                self._check_parser_options(node)
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
@@ -159,28 +170,27 @@ class _Analyser:
             if target is None or not isinstance(value, ast.Call):
                 continue
             if self._argparse_attr(value.func) == "ArgumentParser":
+                if target in parser_calls or target in owners:
+                    # Rebinding, or a local of the same name in two functions: only run time knows which is used.
+                    raise _Dynamic(f"line {value.lineno}: the name '{target}' is bound to several parsers")
                 parser_calls[target] = value
             elif isinstance(value.func, ast.Attribute) and isinstance(value.func.value, ast.Name):
                 receiver = value.func.value.id
                 owner = receiver if receiver in parser_calls else owners.get(receiver)
-                if owner is None:
+                if owner is None or value.func.attr not in ("add_argument_group", "add_mutually_exclusive_group"):
                     continue
-                if value.func.attr == "add_argument_group":
-                    owners[target] = owner
-                elif value.func.attr == "add_mutually_exclusive_group":
-                    owners[target] = owner
+                is_exclusive = value.func.attr == "add_mutually_exclusive_group"
+                # Reusing a name for another plain group of the same parser is common and harmless; anything
+                # else would merge what argparse keeps apart.
+                harmless = owners.get(target) == owner and target not in exclusive and not is_exclusive
+                if (target in parser_calls or target in owners) and not harmless:
+                    raise _Dynamic(f"line {value.lineno}: the name '{target}' is bound to several groups or parsers")
+                owners[target] = owner
+                if is_exclusive:
                     exclusive[target] = bool(self._kwarg_value(value, "required", default=False))
 
-        add_calls = sorted(
-            (
-                node
-                for node in ast.walk(self.tree)
-                if isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "add_argument"
-            ),
-            key=lambda call: (call.lineno, call.col_offset),
-        )
+        calls = self._method_calls("add_argument", "set_defaults")
+        add_calls = [call for call, method in calls if method == "add_argument"]
         if not parser_calls and not add_calls and not all_parser_calls:
             return ScriptSchema(description=_first_paragraph(self.docstring), source="none")
         if not parser_calls and all_parser_calls and add_calls:
@@ -189,16 +199,28 @@ class _Analyser:
         used_parsers: set[str] = set()
         specs: list[ArgumentSpec] = []
         groups: dict[str, list[str]] = {}
-        for call in add_calls:
+        parser_defaults: dict[str, Any] = {}  # set_defaults so far; argparse applies them to later arguments too
+        for call, method in calls:
             holder = call.func.value if isinstance(call.func, ast.Attribute) else None
-            if not isinstance(holder, ast.Name) or (holder.id not in parser_calls and holder.id not in owners):
+            ours = isinstance(holder, ast.Name) and (holder.id in parser_calls or holder.id in owners)
+            if not isinstance(holder, ast.Name) or not ours:
+                if method == "set_defaults":
+                    continue  # not a parser built here, so not the one whose schema we read
                 where = ast.unparse(holder) if holder is not None else "?"
                 raise _Dynamic(f"line {call.lineno}: add_argument on '{where}', which is not a parser built here")
-            self._reject_dynamic_context(call)
-            used_parsers.add(owners.get(holder.id, holder.id))
+            parser = owners.get(holder.id, holder.id)
+            self._reject_dynamic_context(call, method, parser_calls[parser])
+            used_parsers.add(parser)
+            if method == "set_defaults":
+                values = self._set_defaults(call)
+                parser_defaults.update(values)
+                specs = [_with_default(s, values[s.dest], call) if s.dest in values else s for s in specs]
+                continue
             spec = self._argument(call)
             if spec is None:
                 continue
+            if spec.dest in parser_defaults and not any(kw.arg == "default" for kw in call.keywords):
+                spec = _with_default(spec, parser_defaults[spec.dest], call)
             specs.append(spec)
             if holder.id in exclusive:
                 groups.setdefault(holder.id, []).append(spec.dest)
@@ -215,20 +237,56 @@ class _Analyser:
             description = self._parser_description(parser_calls[parser_name])
         return ScriptSchema(
             description=description or _first_paragraph(self.docstring),
-            arguments=tuple(specs),
+            # Help is formatted last: %(default)s shows the default after every set_defaults.
+            arguments=tuple(replace(spec, help=_format_help(spec)) for spec in specs),
             exclusive_groups=tuple((tuple(dests), exclusive[name]) for name, dests in groups.items()),
             source="static",
             warnings=tuple(self.warnings),
         )
 
-    def _reject_dynamic_context(self, call: ast.Call) -> None:
-        node: ast.AST | None = self.parents.get(call)
-        while node is not None:
+    def _check_parser_options(self, call: ast.Call) -> None:
+        for kw in call.keywords:
+            if kw.arg is None:
+                raise _Dynamic(f"line {call.lineno}: ArgumentParser options given as **kwargs")
+            if kw.arg == "parents":
+                raise _Dynamic("the parser inherits arguments from parent parsers (parents=...)")
+            if kw.arg == "prefix_chars" and self._resolve(kw.value) != "-":
+                # The argument vector is built with '-' options; another prefix would turn them into positionals.
+                raise _Dynamic(f"line {call.lineno}: prefix_chars={ast.unparse(kw.value)} is not supported")
+
+    def _method_calls(self, *methods: str) -> list[tuple[ast.Call, str]]:
+        """``x.method(...)`` calls for the given method names, in source order."""
+        found = [
+            (node, node.func.attr)
+            for node in ast.walk(self.tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in methods
+        ]
+        return sorted(found, key=lambda pair: (pair[0].lineno, pair[0].col_offset))
+
+    def _ancestors(self, node: ast.AST) -> Iterator[ast.AST]:
+        parent = self.parents.get(node)
+        while parent is not None:
+            yield parent
+            parent = self.parents.get(parent)
+
+    def _reject_dynamic_context(self, call: ast.Call, method: str, parser: ast.Call) -> None:
+        """Reject a call on the parser that may run several times, or (unlike the parser itself) not at all."""
+        around_parser = set(self._ancestors(parser))
+        child: ast.AST = call
+        for node in self._ancestors(call):
             if isinstance(node, ast.For | ast.AsyncFor | ast.While | ast.comprehension):
-                raise _Dynamic(f"line {call.lineno}: add_argument inside a loop builds the parser at run time")
+                raise _Dynamic(f"line {call.lineno}: {method} inside a loop builds the parser at run time")
             if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp | ast.Lambda):
-                raise _Dynamic(f"line {call.lineno}: add_argument inside an expression builds the parser at run time")
-            node = self.parents.get(node)
+                raise _Dynamic(f"line {call.lineno}: {method} inside an expression builds the parser at run time")
+            if isinstance(node, _CONDITIONALS) and node not in around_parser and not _in_main_guard(node, child):
+                raise _Dynamic(f"line {call.lineno}: {method} under a condition may not run; the schema could be wrong")
+            child = node
+
+    def _set_defaults(self, call: ast.Call) -> dict[str, Any]:
+        """``set_defaults(dest=value, ...)`` as dest -> literal value (``_UNKNOWN`` when computed)."""
+        if call.args or any(kw.arg is None for kw in call.keywords):
+            raise _Dynamic(f"line {call.lineno}: set_defaults with **kwargs or positional arguments")
+        return {kw.arg: self._resolve(kw.value) for kw in call.keywords if kw.arg is not None}
 
     def _parser_description(self, call: ast.Call) -> str:
         for kw in call.keywords:
@@ -303,7 +361,6 @@ class _Analyser:
             required = required_value
         else:
             required = nargs not in ("?", "*") and not (nargs == "..." and has_default)
-        help_text = help_text.replace("%(default)s", str(default) if has_default else "none").replace("%%", "%")
         return ArgumentSpec(
             dest=dest,
             option_strings=tuple(names) if optional else (),
@@ -314,7 +371,7 @@ class _Analyser:
             default=default,
             has_default=has_default,
             required=required,
-            help=help_text.strip(),
+            help=help_text,  # raw: formatted once the defaults are final (see _format_help)
             path_like=path_like,
         )
 
@@ -372,7 +429,7 @@ class _Analyser:
         value = self._resolve(node)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
-        if value in ("?", "*", "+"):
+        if value in ("?", "*", "+", "..."):  # "..." is argparse.REMAINDER's value
             return str(value)
         raise _Dynamic(f"line {call.lineno}: nargs is not a literal ({ast.unparse(node)})")
 
@@ -425,6 +482,29 @@ def _single_binding(node: ast.AST) -> tuple[str | None, ast.expr | None]:
     if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
         return node.target.id, node.value
     return None, None
+
+
+def _in_main_guard(node: ast.AST, child: ast.AST) -> bool:
+    """Whether ``child`` is in the body of ``if __name__ == "__main__":``, which always runs: tools run as main."""
+    return (
+        isinstance(node, ast.If)
+        and any(child is statement for statement in node.body)
+        and ast.unparse(node.test) in ("__name__ == '__main__'", "'__main__' == __name__")
+    )
+
+
+def _with_default(spec: ArgumentSpec, value: Any, call: ast.Call) -> ArgumentSpec:
+    """``spec`` with the default a ``set_defaults`` call gives it."""
+    if value is _UNKNOWN:
+        raise _Dynamic(f"line {call.lineno}: set_defaults gives '{spec.dest}' a value computed at run time")
+    if value is _SUPPRESS:
+        return replace(spec, default=None, has_default=False)
+    return replace(spec, default=value, has_default=True)
+
+
+def _format_help(spec: ArgumentSpec) -> str:
+    default = str(spec.default) if spec.has_default else "none"
+    return spec.help.replace("%(default)s", default).replace("%%", "%").strip()
 
 
 def _first_paragraph(text: str) -> str:

@@ -27,6 +27,8 @@ from .errors import CacheRouterError
 from .gateway import Gateway
 from .mainview import MainView
 from .models import (
+    MAIN_PREFIX,
+    ROUTER_PREFIX,
     ChatModel,
     ChatRequest,
     ChatResponse,
@@ -40,6 +42,10 @@ from .prompts import DIRECT_ANSWER, NEED_TOOLS, ROUTER_TOOL
 from .router import Router, RouterConfig
 from .session import Session
 
+COST_NOTE = (
+    "(input cost is relative: 1.0 = one uncached input token at the provider's own cache discount; "
+    "unknown where the provider or its prices are not known)"
+)
 SCRIPTED_LABEL = "SCRIPTED demo: rule-based stand-in models, offline DeepSeek cache model, no network"
 _PAIR = re.compile(r"(\w+)=(\"[^\"]*\"|\S+)")
 _QUIT = {"/quit", "/exit", ":q"}
@@ -117,8 +123,19 @@ def scripted_router(request: ChatRequest) -> ChatResponse:
 
 
 def build_chat(
-    gateway: Gateway, *, packages: tuple[str, ...], scripted: bool, sessions_dir: Path | None, ranker: str = "auto"
+    gateway: Gateway,
+    *,
+    view: MainView,
+    scripted: bool,
+    sessions_dir: Path | None,
+    router_config: RouterConfig | None = None,
 ) -> ChatSetup:
+    """The agent for one conversation over ``view``: pass the new session's view, or a resumed session's own.
+
+    The router's yellowlist holds ``view``'s core tools, so a resumed session routes as it did when it began.
+    ``router_config.tool_timeout`` bounds every tool run, core or routed.
+    """
+    router_config = router_config or RouterConfig()
     ledger = Ledger()
     main: ChatModel
     router_model: ChatModel
@@ -133,14 +150,19 @@ def build_chat(
             provider="deepseek",
         )
     else:
-        main_config = EndpointConfig.from_env("CACHEROUTER_MAIN")
-        router_config = EndpointConfig.from_env("CACHEROUTER_ROUTER")
-        main = RecordingModel(OpenAICompatibleModel(main_config), ledger, provider=main_config.provider)
-        router_model = RecordingModel(OpenAICompatibleModel(router_config), ledger, provider=router_config.provider)
-    view = MainView.from_registry(gateway.registry, packages)
-    router = Router(gateway, router_model, core_tools=frozenset(view.core_tools), config=RouterConfig(ranker=ranker))
-    agent = Agent(gateway=gateway, main_model=main, router=router, config=AgentConfig(sessions_dir=sessions_dir))
+        main_endpoint = EndpointConfig.from_env(MAIN_PREFIX)
+        router_endpoint = EndpointConfig.from_env(ROUTER_PREFIX)
+        main = RecordingModel(OpenAICompatibleModel(main_endpoint), ledger, provider=main_endpoint.provider)
+        router_model = RecordingModel(OpenAICompatibleModel(router_endpoint), ledger, provider=router_endpoint.provider)
+    router = Router(gateway, router_model, core_tools=frozenset(view.core_tools), config=router_config)
+    config = AgentConfig(sessions_dir=sessions_dir, tool_timeout=router_config.tool_timeout)
+    agent = Agent(gateway=gateway, main_model=main, router=router, config=config)
     return ChatSetup(agent=agent, ledger=ledger, scripted=scripted)
+
+
+def format_cost(cost: float | None) -> str:
+    """A relative input cost as shown to users: uncached-token units, or "unknown" (never a guess)."""
+    return "unknown" if cost is None else f"{cost:.1f}"
 
 
 def run_chat(setup: ChatSetup, session: Session, lines: Iterable[str], out: TextIO, *, prompt: str = "you> ") -> int:
@@ -169,11 +191,17 @@ def run_chat(setup: ChatSetup, session: Session, lines: Iterable[str], out: Text
                     usage = record.usage
                     cached = "unknown" if usage.cached_tokens is None else str(usage.cached_tokens)
                     print(
-                        f"  {label} {record.channel:<8} prompt {usage.prompt_tokens} tok, cache hit {cached} tok",
+                        f"  {label} {record.channel:<8} prompt {usage.prompt_tokens} tok, cache hit {cached} tok, "
+                        f"input cost {format_cost(record.cost)}",
                         file=out,
                     )
         print(prompt, end="", file=out, flush=True)
     summary = setup.ledger.summary()
     rate = "n/a" if summary.hit_rate is None else f"{summary.hit_rate * 100:.2f}%"
-    print(f"\n{label} totals: {summary.requests} requests, token-level cache hit rate {rate}", file=out)
+    print(
+        f"\n{label} totals: {summary.requests} requests, token-level cache hit rate {rate}, "
+        f"input cost {format_cost(summary.cost)}",
+        file=out,
+    )
+    print(COST_NOTE, file=out)
     return 0

@@ -3,16 +3,38 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .errors import CacheRouterError
+from .errors import CacheRouterError, ConfigError
 from .mainview import MainView
+from .models import MAIN_PREFIX, ROUTER_PREFIX
 from .registry import build_registry, script_schema
 from .relevance import RANKERS, SCORERS, make_ranker
 from .router import RouterConfig
+from .usage import PROVIDERS
+
+if TYPE_CHECKING:
+    from .chat import ChatSetup
+    from .gateway import Gateway
+
+DEFAULT_PACKAGES = ("base", "geography", "internet")
+ENV_HELP = f"""\
+models (ignored with --scripted): OpenAI-compatible endpoints from environment variables
+  {MAIN_PREFIX}_BASE_URL   e.g. https://api.deepseek.com (required)
+  {MAIN_PREFIX}_MODEL      e.g. deepseek-chat (required)
+  {MAIN_PREFIX}_API_KEY    sent as a Bearer token (default: none)
+  {MAIN_PREFIX}_PROVIDER   usage fields and prices: {", ".join(PROVIDERS)} (default: detect)
+  {MAIN_PREFIX}_TIMEOUT    seconds per request (default: 120)
+  {ROUTER_PREFIX}_BASE_URL, _MODEL, _API_KEY, _PROVIDER, _TIMEOUT
+      the router sub-model. Unset {ROUTER_PREFIX}_BASE_URL: the router uses all the {MAIN_PREFIX}_*
+      settings. Set: only {ROUTER_PREFIX}_* are read (no {ROUTER_PREFIX}_API_KEY = no key sent).
+"""
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
@@ -150,38 +172,24 @@ def _cmd_serve_mcp(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from .chat import build_chat, run_chat
-    from .gateway import Gateway, GatewayConfig
+    from .chat import run_chat
     from .session import Session
 
-    repo = Path(args.repo) if args.repo else _default_repo()
-    sessions_dir = Path(args.sessions_dir) if args.sessions_dir else None
-    gateway = Gateway(GatewayConfig(root=repo, poll_interval=args.poll_interval))
-    if gateway.last_error is not None:
-        raise CacheRouterError(gateway.last_error)
-    gateway.start()  # hot reload while chatting; the main view stays as it was at the start of the session
-    try:
-        setup = build_chat(
-            gateway,
-            packages=tuple(args.packages),
-            scripted=args.scripted,
-            sessions_dir=sessions_dir,
-            ranker=args.ranker,
-        )
-        if args.session:
-            if sessions_dir is None:
-                raise CacheRouterError("--session needs --sessions-dir, where sessions are kept")
-            session = Session.load(sessions_dir, args.session)
-        else:
-            session = setup.agent.new_session(MainView.from_registry(gateway.registry, tuple(args.packages)))
+    sessions_dir = _sessions_dir(args.sessions_dir) if args.sessions_dir else None
+    if args.session and sessions_dir is None:
+        raise ConfigError("--session needs --sessions-dir, where sessions are kept")
+    # A resumed session keeps its own view (core tools included): today's --packages need not even exist.
+    resumed = Session.load(sessions_dir, args.session) if args.session and sessions_dir else None
+    if resumed is not None and args.packages is not None and tuple(sorted(args.packages)) != resumed.view.packages:
+        print(f"note: session {resumed.id} keeps its core packages {list(resumed.view.packages)}", file=sys.stderr)
+    with _started_gateway(args) as gateway:
+        view = resumed.view if resumed is not None else _new_view(gateway, args)
+        setup = _build_setup(args, gateway, view, sessions_dir)
+        session = resumed if resumed is not None else setup.agent.new_session(view)
         return run_chat(setup, session, sys.stdin, sys.stdout)
-    finally:
-        gateway.close()
 
 
 def _cmd_web(args: argparse.Namespace) -> int:
-    from .chat import build_chat
-    from .gateway import Gateway, GatewayConfig
     from .web import LOOPBACK_NAMES, WebChat, create_app
 
     try:
@@ -194,26 +202,113 @@ def _cmd_web(args: argparse.Namespace) -> int:
             f"warning: serving on {args.host}: the web UI has no login and runs tools for anyone who reaches it",
             file=sys.stderr,
         )
+    with _started_gateway(args) as gateway:
+        view = _new_view(gateway, args)
+        setup = _build_setup(args, gateway, view, None)
+        web = WebChat(setup, setup.agent.new_session(view))
+        print(f"cacherouter web ({web.label}) on http://{args.host}:{args.port}/", file=sys.stderr)
+        uvicorn.run(create_app(web, host=args.host), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+@contextlib.contextmanager
+def _started_gateway(args: argparse.Namespace) -> Iterator[Gateway]:
+    """The gateway over --repo, hot-reloading while the chat runs (a session's main view never changes)."""
+    from .gateway import Gateway, GatewayConfig
+
     repo = Path(args.repo) if args.repo else _default_repo()
     gateway = Gateway(GatewayConfig(root=repo, poll_interval=args.poll_interval))
     if gateway.last_error is not None:
+        gateway.close()
         raise CacheRouterError(gateway.last_error)
     gateway.start()
     try:
-        packages = tuple(args.packages)
-        setup = build_chat(gateway, packages=packages, scripted=args.scripted, sessions_dir=None, ranker=args.ranker)
-        web = WebChat(setup, setup.agent.new_session(MainView.from_registry(gateway.registry, packages)))
-        print(f"cacherouter web ({web.label}) on http://{args.host}:{args.port}/", file=sys.stderr)
-        uvicorn.run(create_app(web, host=args.host), host=args.host, port=args.port, log_level="warning")
+        yield gateway
     finally:
         gateway.close()
-    return 0
+
+
+def _new_view(gateway: Gateway, args: argparse.Namespace) -> MainView:
+    return MainView.from_registry(gateway.registry, tuple(args.packages or DEFAULT_PACKAGES))
+
+
+def _build_setup(args: argparse.Namespace, gateway: Gateway, view: MainView, sessions_dir: Path | None) -> ChatSetup:
+    from .chat import build_chat
+
+    if args.top_k < 1 or args.tool_timeout <= 0:
+        raise ConfigError("--top-k must be at least 1 and --tool-timeout more than 0 seconds")
+    lists = {"blacklist": args.blacklist, "whitelist": args.whitelist, "yellowlist": args.yellowlist}
+    for option, names in lists.items():
+        unknown = sorted(set(names) - set(gateway.registry.tools))
+        if unknown:  # a warning, not an error: the tool may appear at the next hot reload
+            print(f"warning: --{option} names no registered tool: {', '.join(unknown)}", file=sys.stderr)
+    config = RouterConfig(
+        ranker=args.ranker,
+        top_k=args.top_k,
+        tool_timeout=args.tool_timeout,
+        blacklist=frozenset(args.blacklist),
+        whitelist=frozenset(args.whitelist),
+        yellowlist=frozenset(args.yellowlist),
+    )
+    return build_chat(gateway, view=view, scripted=args.scripted, sessions_dir=sessions_dir, router_config=config)
+
+
+def _sessions_dir(text: str) -> Path:
+    """Check --sessions-dir before any turn runs, so a bad path never costs a conversation."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--sessions-dir {text}: cannot use it as a directory ({e.strerror or e})") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"--sessions-dir {text}: the directory is not writable")
+    return path
 
 
 def _default_repo() -> Path:
     from .evaluation.runner import EVAL_REPO
 
     return EVAL_REPO
+
+
+def _add_agent_options(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``chat`` and ``web``: repository, main view, models, router filters."""
+    parser.add_argument("--repo", help="tool repository (default: the bundled evaluation repository)")
+    parser.add_argument(
+        "--packages",
+        nargs="+",
+        metavar="PACKAGE",
+        help=f"core packages of the main view (default: {' '.join(DEFAULT_PACKAGES)})",
+    )
+    parser.add_argument(
+        "--scripted", action="store_true", help="rule-based stand-in models and an offline cache model (no network)"
+    )
+    parser.add_argument(
+        "--poll-interval", type=float, default=1.0, help="seconds between repository polls (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--ranker",
+        choices=sorted(RANKERS),
+        default="auto",
+        help="the router's relevance scorer (default: auto = dense embeddings when the router extra is installed, "
+        "else bm25)",
+    )
+    defaults = RouterConfig()
+    for option, what in (
+        ("blacklist", "tools the router never offers to its model"),
+        ("whitelist", "if given, the only tools the router may offer to its model"),
+        ("yellowlist", "tools the router avoids unless nothing else fits (the main view's core tools always are)"),
+    ):
+        parser.add_argument(f"--{option}", nargs="+", default=[], metavar="TOOL", help=what)
+    parser.add_argument(
+        "--top-k", type=int, default=defaults.top_k, help="candidates the router model sees (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--tool-timeout",
+        type=float,
+        default=defaults.tool_timeout,
+        help="seconds before a tool run is killed (default: %(default)s)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,41 +339,31 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser(
         "chat",
         help="talk to the agent in the terminal (models from CACHEROUTER_MAIN_*/CACHEROUTER_ROUTER_*, or --scripted)",
+        description=(
+            "Talk to the CacheRouter agent in the terminal, one message per line; /quit, /exit, :q or the end of\n"
+            "input ends the chat. Each turn prints the answer, where the router sent its calls and, per model\n"
+            "request, the prompt and cached tokens and the relative input cost."
+        ),
+        epilog=ENV_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    chat.add_argument("--repo", help="tool repository (default: the bundled evaluation repository)")
-    chat.add_argument(
-        "--packages", nargs="+", default=["base", "geography", "internet"], help="core packages of the main view"
-    )
-    chat.add_argument(
-        "--scripted", action="store_true", help="rule-based stand-in models and an offline cache model (no network)"
-    )
-    chat.add_argument("--sessions-dir", help="persist sessions here (resume one with --session ID)")
-    chat.add_argument("--session", help="resume this session id from --sessions-dir")
-    chat.add_argument("--poll-interval", type=float, default=1.0, help="seconds between repository polls")
-    chat.add_argument(
-        "--ranker",
-        choices=sorted(RANKERS),
-        default="auto",
-        help="the router's relevance scorer (auto: dense embeddings when the router extra is installed, else bm25)",
-    )
+    _add_agent_options(chat)
+    chat.add_argument("--sessions-dir", help="persist sessions in this directory (default: not persisted)")
+    chat.add_argument("--session", help="resume this session id from --sessions-dir, with the core tools it began with")
     chat.set_defaults(func=_cmd_chat)
-    web = sub.add_parser("web", help="the chat in a browser: messages, tool and router calls, cache hits per request")
-    web.add_argument("--repo", help="tool repository (default: the bundled evaluation repository)")
-    web.add_argument(
-        "--packages", nargs="+", default=["base", "geography", "internet"], help="core packages of the main view"
+    web = sub.add_parser(
+        "web",
+        help="the chat in a browser: messages, tool and router calls, cache hits per request",
+        description=(
+            "Serve the chat as a web page: messages, every tool and INTERNAL_ROUTER call and, per model request,\n"
+            "the prompt and cached tokens and the relative input cost. The page has no login."
+        ),
+        epilog=ENV_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    web.add_argument(
-        "--scripted", action="store_true", help="rule-based stand-in models and an offline cache model (no network)"
-    )
-    web.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; the UI has no login)")
-    web.add_argument("--port", type=int, default=8765, help="port to listen on")
-    web.add_argument("--poll-interval", type=float, default=1.0, help="seconds between repository polls")
-    web.add_argument(
-        "--ranker",
-        choices=sorted(RANKERS),
-        default="auto",
-        help="the router's relevance scorer (auto: dense embeddings when the router extra is installed, else bm25)",
-    )
+    _add_agent_options(web)
+    web.add_argument("--host", default="127.0.0.1", help="address to bind; the UI has no login (default: %(default)s)")
+    web.add_argument("--port", type=int, default=8765, help="port to listen on (default: %(default)s)")
     web.set_defaults(func=_cmd_web)
     evaluate = sub.add_parser(
         "eval", help="run the scripted 55-query suite, 30-turn dialogue and 40-query long-tail workload, three ways"

@@ -3,11 +3,16 @@
 No shell is involved: the argument vector is a list handed to :func:`subprocess.Popen`, so a value such as
 ``"; rm -rf /"`` reaches the script as one literal argument. Values that argparse itself would mistake for an
 option (they start with ``-``) are passed in the ``--opt=value`` form, or after ``--`` for positionals.
+
+A tool never sees the model endpoints' credentials: :func:`tool_environment` drops every ``CACHEROUTER_*_API_KEY``
+variable (``CACHEROUTER_MAIN_API_KEY``, ``CACHEROUTER_ROUTER_API_KEY``) from the environment of every tool run,
+since tools include model-written skills and ``run_python``.
 """
 
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -21,6 +26,9 @@ from .errors import ArgumentError, ToolExecutionError
 from .schema import ArgumentSpec, ScriptSchema
 
 MAX_OUTPUT_CHARS = 20_000
+_READ_LIMIT = 4 * MAX_OUTPUT_CHARS  # bytes kept per stream: enough for MAX_OUTPUT_CHARS of any UTF-8 text
+_DRAIN_S = 0.5  # how long the pipes may stay open after the tool ended (a detached child may hold them)
+_TICK_S = 0.05  # how often the reader checks whether the tool has ended while its pipes are still open
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +156,17 @@ def _scalar(spec: ArgumentSpec, value: Any) -> str:
     return text
 
 
+def is_credential(name: str) -> bool:
+    """Whether environment variable ``name`` holds a model endpoint's API key (never given to tools)."""
+    return name.startswith("CACHEROUTER_") and name.endswith("_API_KEY")
+
+
+def tool_environment(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a tool process: ``base`` (default ``os.environ``) without credentials, plus ``extra``."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not is_credential(k)}
+    return {**env, "PYTHONDONTWRITEBYTECODE": "1", **extra}
+
+
 def run_script(
     script: Path,
     argv: list[str],
@@ -158,7 +177,13 @@ def run_script(
     python: str = sys.executable,
     env: Mapping[str, str] | None = None,
 ) -> ToolResult:
-    """Run ``python script *argv`` with a timeout; on timeout the whole process group is killed."""
+    """Run ``python script *argv`` with a timeout; on timeout the whole process group is killed.
+
+    ``env`` defaults to ``os.environ``; credentials are dropped from it either way (:func:`tool_environment`).
+    The call returns within about ``timeout`` plus half a second even if a detached child holds the output open,
+    and keeps at most a bounded amount of output in memory.
+    """
+    script = script.absolute()  # the child runs in the script's directory, where a relative path means nothing
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -167,29 +192,83 @@ def run_script(
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
-            env=dict(env) if env is not None else {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+            env=tool_environment(env),
             start_new_session=True,  # own process group, so a timeout also stops its children
         )
     except OSError as e:
         raise ToolExecutionError(f"cannot start tool {tool!r} ({script}): {e}") from e
-    timed_out = False
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        stdout, stderr = proc.communicate()
+        stdout, stderr, timed_out = _read_output(proc, timeout)
+    finally:
+        if proc.poll() is None:  # interrupted while reading: do not leave the tool running
+            _kill_group(proc)
+        proc.wait()
     return ToolResult(
         tool=tool,
         argv=tuple(argv),
         exit_code=None if timed_out else proc.returncode,
-        stdout=stdout[:MAX_OUTPUT_CHARS],
-        stderr=stderr[:MAX_OUTPUT_CHARS],
+        stdout=_decode(stdout),
+        stderr=_decode(stderr),
         duration_s=time.monotonic() - start,
         timed_out=timed_out,
     )
+
+
+def _read_output(proc: subprocess.Popen[bytes], timeout: float) -> tuple[bytes, bytes, bool]:
+    """Read the tool's stdout and stderr until it ends; kill its process group at ``timeout``.
+
+    Returns (stdout, stderr, timed_out). Each stream keeps its first ``_READ_LIMIT`` bytes; the rest is read and
+    dropped, so a chatty tool neither blocks on a full pipe nor fills our memory. Once the tool has ended or been
+    killed, its pipes get ``_DRAIN_S`` more: a child that inherited them (even one in its own session, which
+    killing the group cannot reach) must not hold the call open.
+    """
+    if proc.stdout is None or proc.stderr is None:
+        raise ToolExecutionError("the tool was started without output pipes")  # cannot happen; narrows types
+    out, err = proc.stdout.fileno(), proc.stderr.fileno()
+    kept = {out: bytearray(), err: bytearray()}
+    deadline = time.monotonic() + timeout
+    stop_at: float | None = None  # set once the tool has ended
+    timed_out = False
+    with selectors.DefaultSelector() as selector:
+        for fd in kept:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            now = time.monotonic()
+            if stop_at is None and proc.poll() is not None:
+                stop_at = now + _DRAIN_S
+            elif stop_at is None and now >= deadline:
+                timed_out = True
+                _kill_group(proc)
+                stop_at = now + _DRAIN_S
+            if stop_at is not None and now >= stop_at:
+                _kill_group(proc)  # left-over children still holding the pipes
+                break
+            # A short tick, because the end of the tool shows on no file descriptor while a child holds the pipes.
+            for key, _ in selector.select(timeout=min(_TICK_S, (stop_at or deadline) - now)):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fd)
+                buffer = kept[key.fd]
+                buffer += chunk[: _READ_LIMIT - len(buffer)]
+    proc.stdout.close()
+    proc.stderr.close()
+    if stop_at is None:  # the tool closed its output but still runs: it gets the rest of its time
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+    return bytes(kept[out]), bytes(kept[err]), timed_out
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group is already gone
+
+
+def _decode(data: bytes) -> str:
+    # As text mode would: UTF-8 with replacement, universal newlines; then the documented truncation.
+    text = data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+    return text[:MAX_OUTPUT_CHARS]

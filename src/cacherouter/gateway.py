@@ -4,11 +4,16 @@ Reloading is polling, not inotify, so it works on any file system and in tests w
 takes a content fingerprint of the repository, and only when it differs builds a complete new
 :class:`~cacherouter.registry.Registry` and swaps it in with one reference assignment. Readers that already hold
 the old registry keep a consistent view; a build that fails as a whole leaves the previous registry serving.
+
+A broken script is a :class:`~cacherouter.registry.Problem`, logged (``logging.warning``) the first poll it
+appears in; an unexpected error in a background poll is logged and kept in :attr:`Gateway.last_error`, and the
+polling carries on. Tools run with the environment of this process minus the model endpoints' API keys
+(:func:`~cacherouter.executor.tool_environment`), plus ``CACHEROUTER_REPO``.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -16,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ArgumentError, CacheRouterError
-from .executor import ToolResult, build_argv, run_script
+from .executor import ToolResult, build_argv, run_script, tool_environment
 from .registry import Limits, Registry, build_registry, repository_snapshot, write_package_indices
 
 
@@ -30,6 +35,10 @@ class GatewayConfig:
     poll_interval: float = 1.0
     index_dir: Path | None = None  # where package indices are written; None keeps them in memory only
 
+    def __post_init__(self) -> None:
+        # Tools run in their own directory and find the repository through CACHEROUTER_REPO: both need it absolute.
+        object.__setattr__(self, "root", Path(self.root).absolute())
+
 
 @dataclass(frozen=True, kw_only=True)
 class ReloadOutcome:
@@ -41,6 +50,8 @@ class ReloadOutcome:
 
 
 Listener = Callable[[Registry], None]
+
+logger = logging.getLogger(__name__)
 
 
 class Gateway:
@@ -75,24 +86,31 @@ class Gateway:
                 return ReloadOutcome(changed=False, registry=self._registry, error=str(e))
             if snapshot == self._snapshot:
                 return ReloadOutcome(changed=False, registry=self._registry)
+            previous = self._registry if self._snapshot is not None else None
             try:
                 registry = build_registry(
                     self.config.root,
                     limits=self.config.limits,
                     allow_reflection=self.config.allow_reflection,
                     reflection_timeout=self.config.reflection_timeout,
-                    previous=self._registry if self._snapshot is not None else None,
+                    previous=previous,
                 )
             except (CacheRouterError, OSError) as e:
                 self.last_error = str(e)
                 return ReloadOutcome(changed=False, registry=self._registry, error=str(e))
+            if previous is not None:  # problems found at start-up are the caller's to report
+                for problem in sorted(set(registry.problems) - set(previous.problems), key=lambda p: p.path):
+                    logger.warning("tool script %s: %s", problem.path, problem.message)
             self._snapshot = snapshot
             self._registry = registry  # the atomic swap
             self.last_error = None
             if self.config.index_dir is not None:
                 write_package_indices(registry, self.config.index_dir)
         for listener in list(self._listeners):
-            listener(registry)
+            try:
+                listener(registry)
+            except Exception:  # one broken subscriber must not starve the others or stop the polling
+                logger.exception("registry listener %r failed", listener)
         return ReloadOutcome(changed=True, registry=registry)
 
     def start(self) -> None:
@@ -105,7 +123,11 @@ class Gateway:
 
     def _run(self) -> None:
         while not self._stop.wait(self.config.poll_interval):
-            self.poll()
+            try:
+                self.poll()
+            except Exception as e:  # an unexpected error must not end hot reload for the life of the process
+                self.last_error = f"poll failed: {type(e).__name__}: {e}"
+                logger.exception("cacherouter gateway: poll of %s failed; polling carries on", self.config.root)
 
     def close(self) -> None:
         """Stop polling. Idempotent."""
@@ -127,5 +149,5 @@ class Gateway:
             raise ArgumentError(f"no tool named {name!r} is registered")
         argv = build_argv(spec.schema, arguments)
         # Tools that manage the repository (the skill builder) find it through this variable.
-        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "CACHEROUTER_REPO": str(self.config.root)}
+        env = tool_environment(CACHEROUTER_REPO=str(self.config.root))
         return run_script(spec.script, argv, tool=name, timeout=timeout or self.config.tool_timeout, env=env)

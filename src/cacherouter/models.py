@@ -22,8 +22,11 @@ from .cachemodel import PrefixCacheModel, render_message, tokenize_request
 from .canonical import canonical_json
 from .errors import ConfigError, ModelError
 from .tokens import Tokenizer, default_tokenizer
+from .usage import normalize_provider
 
 Message = dict[str, Any]
+MAIN_PREFIX = "CACHEROUTER_MAIN"
+ROUTER_PREFIX = "CACHEROUTER_ROUTER"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,19 +108,24 @@ class EndpointConfig:
     base_url: str
     model: str
     api_key: str = ""
-    provider: str | None = None  # usage-field dialect; None = detect from the response
+    provider: str | None = None  # usage-field dialect, one of usage.PROVIDERS; None = detect from the response
     timeout: float = 120.0
 
     @classmethod
     def from_env(cls, prefix: str, env: Mapping[str, str] | None = None) -> EndpointConfig:
-        """Read ``{prefix}_BASE_URL``, ``{prefix}_MODEL``, ``{prefix}_API_KEY``, ``{prefix}_PROVIDER``.
+        """Read ``{prefix}_BASE_URL``, ``_MODEL``, ``_API_KEY``, ``_PROVIDER`` and ``_TIMEOUT``.
 
-        ``prefix`` is ``CACHEROUTER_MAIN`` or ``CACHEROUTER_ROUTER``; the router falls back to the main settings.
+        ``prefix`` is ``CACHEROUTER_MAIN`` or ``CACHEROUTER_ROUTER``. The router falls back to the main settings as
+        a whole, and only when ``CACHEROUTER_ROUTER_BASE_URL`` is unset. Once it is set, only router variables are
+        read: a missing ``CACHEROUTER_ROUTER_API_KEY`` means no key (local servers need none), because sending the
+        main key to another host would leak it. ``_PROVIDER`` is checked against :data:`usage.PROVIDERS`.
         """
         env = os.environ if env is None else env
+        if prefix != MAIN_PREFIX and not env.get(f"{prefix}_BASE_URL"):
+            prefix = MAIN_PREFIX
 
         def get(name: str) -> str:
-            return env.get(f"{prefix}_{name}") or env.get(f"CACHEROUTER_MAIN_{name}") or ""
+            return env.get(f"{prefix}_{name}") or ""
 
         base_url, model = get("BASE_URL"), get("MODEL")
         if not base_url or not model:
@@ -130,12 +138,12 @@ class EndpointConfig:
             timeout = float(timeout_text)
         except ValueError as e:
             raise ConfigError(f"{prefix}_TIMEOUT must be a number of seconds, got {timeout_text!r}") from e
+        try:
+            provider = normalize_provider(get("PROVIDER"))
+        except ConfigError as e:
+            raise ConfigError(f"{prefix}_PROVIDER: {e}") from e
         return cls(
-            base_url=base_url.rstrip("/"),
-            model=model,
-            api_key=get("API_KEY"),
-            provider=get("PROVIDER") or None,
-            timeout=timeout,
+            base_url=base_url.rstrip("/"), model=model, api_key=get("API_KEY"), provider=provider, timeout=timeout
         )
 
 

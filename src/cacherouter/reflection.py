@@ -3,19 +3,20 @@
 This *runs* the script (in a child process, with a timeout, no stdin) up to the point where it asks argparse to
 parse its arguments, then dumps the parser's actions instead of parsing. That executes the script's module-level
 code, which is exactly what registration otherwise avoids, so it happens only when the caller opts in
-(``allow_reflection=True`` / ``--allow-reflection``) and never by default.
+(``allow_reflection=True`` / ``--allow-reflection``) and never by default. Like a tool run, it gets an
+environment without the model endpoints' API keys (:func:`~cacherouter.executor.tool_environment`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from .errors import SchemaError
+from .executor import tool_environment
 from .schema import Action, ArgumentSpec, JsonType, ScriptSchema
 
 # Runs inside the child: replaces parse_args/parse_known_args with a dump of the parser, then runs the script.
@@ -75,6 +76,7 @@ _TYPES: dict[str, JsonType] = {"int": "integer", "float": "number", "str": "stri
 
 def reflect_schema(script: Path, *, timeout: float = 10.0, python: str = sys.executable) -> ScriptSchema:
     """Run ``script`` in a child process until it parses arguments, and read its parser from there."""
+    script = script.absolute()  # the child runs in the script's directory, where a relative path means nothing
     try:
         proc = subprocess.run(
             [python, "-c", _HARNESS, str(script)],
@@ -83,7 +85,7 @@ def reflect_schema(script: Path, *, timeout: float = 10.0, python: str = sys.exe
             timeout=timeout,
             stdin=subprocess.DEVNULL,
             cwd=script.parent,
-            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+            env=tool_environment(),
             check=False,
         )
     except subprocess.TimeoutExpired as e:

@@ -11,7 +11,9 @@ Layout::
 
 A :class:`Registry` is a value: once built it never changes, so a reader holding one sees a consistent set of
 tools while the gateway builds and swaps in the next. A script that cannot be registered is left out and listed
-in :attr:`Registry.problems`; it never stops the others from registering.
+in :attr:`Registry.problems`; it never stops the others from registering. A script that was registered before
+and is now broken keeps its last good entry (and is listed as a problem too), so an edit that breaks a tool
+never makes it vanish from under a session that already advertised it; deleting the script removes it.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ from typing import Any
 
 from .argparse_ast import extract_static
 from .errors import RegistryError, SchemaError
+from .prompts import PLACEHOLDER_TOOL, ROUTER_TOOL
 from .reflection import reflect_schema
 from .schema import ScriptSchema
 
 SKILL_FILE = "SKILL.md"
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+#: Names of the pseudo-tools the main and router channels define themselves.
+RESERVED_NAMES = frozenset({ROUTER_TOOL, PLACEHOLDER_TOOL})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,10 +180,12 @@ def build_registry(
     scripts that changed. Raises :class:`RegistryError` only when the repository itself cannot be read.
     """
     limits = limits or Limits()
+    root = root.absolute()  # tools run in their own directory, so every script path must be absolute
     if not root.is_dir():
         raise RegistryError(f"tool repository {root} does not exist or is not a directory")
     name_re = re.compile(limits.name_pattern)
     reuse = {spec.digest: spec for spec in previous} if previous is not None else {}
+    last_good = previous.tools if previous is not None else {}
     tools: dict[str, ToolSpec] = {}
     problems: list[Problem] = []
     skill_cache: dict[Path, tuple[dict[str, str], str]] = {}
@@ -192,6 +199,11 @@ def build_registry(
                     message=f"tool name {name!r} breaks the naming limits ({limits.name_pattern}, "
                     f"<= {limits.max_name_length} chars); rename the script",
                 )
+            )
+            continue
+        if name in RESERVED_NAMES:
+            problems.append(
+                Problem(path=rel, message=f"tool name {name!r} is reserved for the router; rename the script")
             )
             continue
         if name in tools:
@@ -225,7 +237,13 @@ def build_registry(
                     reflection_timeout=reflection_timeout,
                 )
             except SchemaError as e:
-                problems.append(Problem(path=rel, message=str(e)))
+                kept = last_good.get(name)
+                if kept is not None and kept.script == script:
+                    # Keep serving the last good schema; a call runs the current file and reports its error.
+                    tools[name] = kept
+                    problems.append(Problem(path=rel, message=f"{e} (the last good schema keeps serving)"))
+                else:
+                    problems.append(Problem(path=rel, message=str(e)))
                 continue
         description = schema.description or meta.get("description", "") or f"{skill} tool from package {package}"
         if len(description) > limits.max_description_length:

@@ -3,6 +3,10 @@
 *compact* is what first-round triage sees (one question and one short answer per finished turn); *full* is what
 the tool loop sees (every message, tool call and result). Both only ever grow at the end, which is what keeps
 their prefixes cacheable. The main view's text is stored too, so a resumed session sends the very same bytes.
+
+Chat APIs reject a history in which an assistant message's tool call has no tool message answering it (HTTP 400),
+so :func:`answer_tool_calls` completes such calls with placeholder error results before a turn is stored, and
+again when a session is loaded (files written before that rule).
 """
 
 from __future__ import annotations
@@ -15,11 +19,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .canonical import canonical_json
 from .errors import SessionError
 from .mainview import MainView
 from .models import Message
 
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
+UNANSWERED = "this call was not run: the model asked for it where no tool could be called"
+
+
+def answer_tool_calls(messages: list[Message]) -> list[Message]:
+    """``messages`` with a placeholder error result for every tool call no tool message answers.
+
+    Each placeholder goes right after the answers the call's assistant message already has, where the API expects
+    it. The model's own messages are kept byte for byte: the history repeats them for cache hits.
+    """
+    out: list[Message] = []
+    index = 0
+    while index < len(messages):
+        message = messages[index]
+        out.append(message)
+        index += 1
+        calls = (message.get("tool_calls") or []) if message.get("role") == "assistant" else []
+        answered: set[Any] = set()
+        while index < len(messages) and messages[index].get("role") == "tool":
+            answered.add(messages[index].get("tool_call_id"))
+            out.append(messages[index])
+            index += 1
+        for call in calls:
+            if call.get("id") not in answered:
+                name = (call.get("function") or {}).get("name", "")
+                payload = {"status": "error", "tool": name, "error": UNANSWERED}
+                out.append({"role": "tool", "tool_call_id": call.get("id"), "content": canonical_json(payload)})
+    return out
 
 
 @dataclass
@@ -41,11 +73,14 @@ class Session:
 
     def save(self, directory: Path) -> Path:
         """Write atomically: a crash leaves the previous file, never half of one."""
-        directory.mkdir(parents=True, exist_ok=True)
         target = directory / f"{self.id}.json"
         tmp = target.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_json(), ensure_ascii=False, indent=1), encoding="utf-8")
-        os.replace(tmp, target)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(self.to_json(), ensure_ascii=False, indent=1), encoding="utf-8")
+            os.replace(tmp, target)
+        except OSError as e:
+            raise SessionError(f"cannot save session {self.id} in {directory}: {e}; choose a writable directory") from e
         return target
 
     @classmethod
@@ -59,10 +94,10 @@ class Session:
                 view=MainView.from_json(data["view"]),
                 id=data["id"],
                 compact=data["compact"],
-                full=data["full"],
+                full=answer_tool_calls(data["full"]),
                 turns=data["turns"],
             )
         except FileNotFoundError as e:
             raise SessionError(f"no session {session_id!r} in {directory}") from e
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise SessionError(f"session file {path} is unreadable: {e}") from e

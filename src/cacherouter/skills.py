@@ -21,6 +21,8 @@ from typing import Any
 from .argparse_ast import extract_static
 from .errors import SchemaError
 from .executor import build_argv, run_script
+from .prompts import PLACEHOLDER_TOOL, ROUTER_TOOL
+from .registry import iter_scripts
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 _TYPES = {"string": "str", "integer": "int", "number": "float"}
@@ -45,7 +47,7 @@ class BuiltSkill:
 
 def render_skill_script(name: str, description: str, params: list[SkillParam], body: str) -> str:
     lines = [
-        f'"""{description.replace(chr(34) * 3, "")}"""',
+        repr(description),  # the docstring, as a literal: quotes and backslashes in any description stay valid
         "import argparse",
         "",
         f"parser = argparse.ArgumentParser(description={description!r})",
@@ -77,6 +79,11 @@ def build_skill(
     """Write, validate and publish skill ``name``. Raises :class:`SchemaError` with the reason if it fails."""
     if not _NAME.match(name):
         raise SchemaError(f"skill name {name!r} must be lower_snake_case, at most 64 characters")
+    if name.upper() in (ROUTER_TOOL, PLACEHOLDER_TOOL):
+        raise SchemaError(f"skill name {name!r} is reserved for the {name.upper()} pseudo-tool; choose another name")
+    taken = _script_named(root, name)
+    if taken is not None:
+        raise SchemaError(f"tool name {name!r} is already taken by {taken.relative_to(root)}; choose another name")
     target = root / package / name
     if target.exists():
         raise SchemaError(f"skill {package}/{name} already exists; choose another name")
@@ -107,6 +114,14 @@ def build_skill(
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return BuiltSkill(name=name, package=package, script=target / f"{name}.py", check_output=result.stdout)
+
+
+def _script_named(root: Path, name: str) -> Path | None:
+    """The script the registry names ``name``, if any. Tools are named after their scripts and the registry keeps
+    only the first of two with one name: a duplicate would be published "ok", then stay a registry problem."""
+    if not root.is_dir():
+        return None
+    return next((script for _, _, script in iter_scripts(root) if script.stem == name), None)
 
 
 def params_from_json(text: str) -> list[SkillParam]:

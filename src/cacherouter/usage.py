@@ -3,6 +3,9 @@
 A provider that does not report cached tokens has *unknown* cached tokens (None), never zero: vLLM and SGLang
 only emit ``prompt_tokens_details`` when started with a flag, and treating absence as 0 would report a 0% hit
 rate for a server that may be caching everything.
+
+Provider names are case-insensitive. An unknown name is an error (:func:`normalize_provider`), never silently read
+as generic fields: a typo such as ``deepseek-chat`` (a model name) would otherwise hide DeepSeek's cache figures.
 """
 
 from __future__ import annotations
@@ -10,6 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from .errors import ConfigError
+
+# Usage-field dialects. vllm and sglang read the OpenAI-style fields; they are named so that a self-hosted server
+# is not mistaken for OpenAI when pricing requests (see accounting.pricing_for).
+PROVIDERS = ("anthropic", "deepseek", "openai", "sglang", "vllm")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,10 +42,23 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def normalize_provider(provider: str | None) -> str | None:
+    """``provider`` in canonical (lower) case; None or "" stay None (detect). Raises :class:`ConfigError`."""
+    if not provider or not provider.strip():
+        return None
+    name = provider.strip().lower()
+    if name not in PROVIDERS:
+        raise ConfigError(
+            f"unknown provider {provider!r}; choose one of {', '.join(PROVIDERS)}, "
+            "or leave it unset to detect the usage fields from each response"
+        )
+    return name
+
+
 def parse_usage(usage: Mapping[str, Any] | None, provider: str | None = None) -> Usage:
-    """Normalise a ``usage`` object. ``provider`` ("deepseek", "openai", "anthropic", "vllm") or auto-detect."""
+    """Normalise a ``usage`` object. ``provider`` is one of :data:`PROVIDERS` (any case), or None to detect."""
     usage = usage or {}
-    kind = provider or detect_provider(usage)
+    kind = normalize_provider(provider) or detect_provider(usage)
     if kind == "anthropic":
         read = _int(usage.get("cache_read_input_tokens"))
         write = _int(usage.get("cache_creation_input_tokens"))

@@ -2,8 +2,9 @@
 
 One static page (plain JavaScript, no framework, nothing from a CDN) served at ``/`` with a chat box. Each turn
 goes through :meth:`Agent.ask` exactly as in the terminal chat; the page shows the messages, every tool call and
-``INTERNAL_ROUTER`` call with its result, and one row per model request with its prompt and cached tokens --
-labelled SCRIPTED (offline DeepSeek cache model) or provider-reported (the provider's usage fields).
+``INTERNAL_ROUTER`` call with its result, and one row per model request with its prompt and cached tokens and its
+relative input cost -- labelled SCRIPTED (offline DeepSeek cache model) or provider-reported (the provider's usage
+fields).
 
 Safety: the UI has no login and runs tools, so it binds to 127.0.0.1 by default and, when bound to loopback,
 answers only requests whose Host is a loopback name (no DNS rebinding). Chat turns need a JSON body (a cross-site
@@ -23,6 +24,7 @@ import threading
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+from .accounting import RequestRecord
 from .chat import SCRIPTED_LABEL, ChatSetup
 from .errors import CacheRouterError, ConfigError
 from .models import Message
@@ -108,6 +110,7 @@ class WebChat:
                     "cached_tokens": summary.cached_tokens,
                     "unknown_requests": summary.unknown_requests,
                     "hit_rate": summary.hit_rate,
+                    "cost": summary.cost,
                 },
             }
 
@@ -132,12 +135,14 @@ def _calls(messages: list[Message]) -> list[dict[str, Any]]:
                     "router": call["function"]["name"] == ROUTER_TOOL,
                     "arguments": arguments,
                     "result": results.get(call["id"], ""),
+                    "routed_to": None,
+                    "ok": False,  # until the agent's record says otherwise: a call it never ran stays failed
                 }
             )
     return calls
 
 
-def _request_json(index: int, turn: int, record: Any) -> dict[str, Any]:
+def _request_json(index: int, turn: int, record: RequestRecord) -> dict[str, Any]:
     usage = record.usage
     return {
         "index": index,
@@ -145,6 +150,7 @@ def _request_json(index: int, turn: int, record: Any) -> dict[str, Any]:
         "channel": record.channel,
         "prompt_tokens": usage.prompt_tokens,
         "cached_tokens": usage.cached_tokens,  # None: the provider did not say (unknown, not zero)
+        "cost": record.cost,  # relative input cost (uncached-token units); None: unknown provider or prices
     }
 
 

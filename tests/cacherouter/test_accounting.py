@@ -2,8 +2,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from cacherouter.accounting import Ledger, RecordingModel
 from cacherouter.cachemodel import AnthropicCacheModel, DeepSeekCacheModel, OpenAICacheModel
+from cacherouter.errors import ConfigError
 from cacherouter.evaluation.runner import run_workload
 from cacherouter.evaluation.suite import DIALOGUE, SUITE
 from cacherouter.models import ChatRequest, EndpointConfig, OpenAICompatibleModel, parse_completion
@@ -112,3 +115,70 @@ def test_eval_command_writes_json(tmp_path):
     for run in data["runs"]:  # the breakdown accounts for every miss token, no more
         assert sum(run["miss_tokens_by_source"].values()) == run["prompt_tokens"] - run["cached_tokens"]
     assert "Where the miss tokens go" in proc.stdout
+
+
+def _recorded(usage, provider=None):
+    class Fixed:
+        name = "fixed"
+
+        def complete(self, request):
+            return parse_completion({"choices": [{"message": {"content": "x"}}], "usage": usage})
+
+    ledger = Ledger()
+    RecordingModel(Fixed(), ledger, provider=provider).complete(ChatRequest(messages=()))
+    return ledger
+
+
+def test_request_cost_is_relative_and_priced_per_provider():
+    deepseek = {"prompt_tokens": 100, "prompt_cache_hit_tokens": 60, "prompt_cache_miss_tokens": 40}
+    assert _recorded(deepseek).records[0].cost == pytest.approx(40 + 60 / 30)
+    openai = {"prompt_tokens": 2000, "prompt_tokens_details": {"cached_tokens": 1920}}
+    assert _recorded(openai, "openai").records[0].cost == pytest.approx(80 + 1920 * 0.5)
+    anthropic = {"input_tokens": 10, "cache_read_input_tokens": 1000, "cache_creation_input_tokens": 50}
+    ledger = _recorded(anthropic)
+    assert ledger.records[0].cost == pytest.approx(10 + 1000 * 0.1 + 50 * 1.25)  # writes cost 1.25x
+    summary = ledger.summary()
+    assert summary.cache_write_tokens == 50
+    assert summary.cost_ratio == pytest.approx((10 + 100 + 62.5) / 1060)
+    # OpenAI-style fields also come from vLLM, SGLang, llama.cpp: without a configured provider, the price is unknown.
+    assert _recorded(openai).records[0].cost is None
+    assert _recorded(openai, "vllm").records[0].cost is None
+    assert _recorded(openai).summary().cost_ratio is None
+
+
+def test_provider_names_are_case_insensitive_and_unknown_ones_are_refused():
+    usage = {"prompt_tokens": 100, "prompt_cache_hit_tokens": 64, "prompt_cache_miss_tokens": 36}
+    assert parse_usage(usage, "DeepSeek").cached_tokens == 64
+    with pytest.raises(ConfigError, match="unknown provider 'deepseek-chat'; choose one of anthropic, deepseek"):
+        parse_usage(usage, "deepseek-chat")
+    env = {"CACHEROUTER_MAIN_BASE_URL": "http://127.0.0.1:9", "CACHEROUTER_MAIN_MODEL": "m"}
+    assert EndpointConfig.from_env("CACHEROUTER_MAIN", {**env, "CACHEROUTER_MAIN_PROVIDER": "DeepSeek"}).provider == (
+        "deepseek"
+    )
+    with pytest.raises(ConfigError, match="CACHEROUTER_MAIN_PROVIDER: unknown provider 'deepseek-chat'"):
+        EndpointConfig.from_env("CACHEROUTER_MAIN", {**env, "CACHEROUTER_MAIN_PROVIDER": "deepseek-chat"})
+
+
+def test_router_endpoint_falls_back_to_the_main_settings_only_as_a_whole():
+    main = {
+        "CACHEROUTER_MAIN_BASE_URL": "https://api.deepseek.com",
+        "CACHEROUTER_MAIN_MODEL": "deepseek-chat",
+        "CACHEROUTER_MAIN_API_KEY": "main-secret",
+        "CACHEROUTER_MAIN_PROVIDER": "deepseek",
+    }
+    fallback = EndpointConfig.from_env("CACHEROUTER_ROUTER", main)
+    assert (fallback.base_url, fallback.api_key, fallback.provider) == (
+        "https://api.deepseek.com",
+        "main-secret",
+        "deepseek",
+    )
+    own = {**main, "CACHEROUTER_ROUTER_BASE_URL": "http://127.0.0.1:8080/v1", "CACHEROUTER_ROUTER_MODEL": "small"}
+    router = EndpointConfig.from_env("CACHEROUTER_ROUTER", own)
+    assert (router.base_url, router.model, router.api_key, router.provider) == (
+        "http://127.0.0.1:8080/v1",
+        "small",
+        "",  # the main key never goes to the router's host
+        None,
+    )
+    with pytest.raises(ConfigError, match="CACHEROUTER_ROUTER_MODEL"):
+        EndpointConfig.from_env("CACHEROUTER_ROUTER", {**main, "CACHEROUTER_ROUTER_BASE_URL": "http://127.0.0.1:1"})

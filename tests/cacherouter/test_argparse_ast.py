@@ -1,14 +1,18 @@
 import ast
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
 from cacherouter.argparse_ast import extract_static
 from cacherouter.errors import ArgumentError, SchemaError
-from cacherouter.executor import build_argv, run_script
+from cacherouter.executor import MAX_OUTPUT_CHARS, build_argv, run_script
 from cacherouter.reflection import reflect_schema
 from cacherouter.registry import script_schema
 
@@ -183,3 +187,151 @@ def test_cli_entry_point_runs_as_a_process():
         check=True,
     )
     assert json.loads(proc.stdout)[str(CORPUS / "no_args.py")]["source"] == "none"
+
+
+PARSER = "import argparse\np = argparse.ArgumentParser()\n"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "x = " + "+".join(["1"] * 3000),  # RecursionError while ast.parse builds the tree
+        "x = " + "-" * 10_000 + "1",  # MemoryError: the parser's stack overflows
+        "x = 1\0\n",  # null bytes: a ValueError in older Pythons, a SyntaxError without a line now
+        "x = '\ud800'\n",  # ValueError (UnicodeEncodeError): a lone surrogate
+        PARSER + 'p.add_argument("--a", type=' + "+".join(["x"] * 900) + ")\n",  # RecursionError in the analysis
+    ],
+    ids=["long-binop", "deep-unary", "null-byte", "surrogate", "deep-type"],
+)
+def test_pathological_sources_are_schema_errors(source):
+    with pytest.raises(SchemaError, match="<script>: "):
+        extract_static(source)
+
+
+@pytest.mark.parametrize(
+    ("source", "reason"),
+    [
+        (PARSER + 'p.add_argument("--a")\np = argparse.ArgumentParser()\np.add_argument("--b")\n', "several"),
+        (
+            "import argparse\ndef f():\n    p = argparse.ArgumentParser()\n    p.add_argument('--a')\n"
+            "def g():\n    p = argparse.ArgumentParser()\n    p.add_argument('--b')\n",
+            "several",
+        ),
+        (PARSER + "import sys\nif sys.platform == 'win32':\n    p.add_argument('--winonly')\n", "condition"),
+        (PARSER + "try:\n    p.add_argument('--x')\nexcept Exception:\n    pass\n", "condition"),
+        ("import argparse\np = argparse.ArgumentParser(prefix_chars='+')\np.add_argument('+x', type=int)\n", "prefix"),
+        (PARSER + "p.add_argument('--a', default='x')\np.set_defaults(a=input())\n", "set_defaults"),
+        (PARSER + "p.set_defaults(**{'a': 1})\np.add_argument('--a')\n", "set_defaults"),
+    ],
+    ids=["rebound", "two-functions", "if", "try", "prefix-chars", "computed-set-defaults", "set-defaults-kwargs"],
+)
+def test_parsers_the_text_cannot_pin_down_are_dynamic(source, reason):
+    extraction = extract_static(source)
+    assert extraction.schema is None
+    assert reason in (extraction.dynamic_reason or "")
+
+
+def test_the_main_guard_is_not_a_condition():
+    inside = (
+        "import argparse\nif __name__ == '__main__':\n    p = argparse.ArgumentParser()\n    p.add_argument('--a')\n"
+    )
+    under = PARSER + "if __name__ == '__main__':\n    p.add_argument('--a')\n    p.parse_args()\n"
+    for source in (inside, under):
+        schema = extract_static(source).schema
+        assert schema is not None
+        assert [a.dest for a in schema.arguments] == ["a"]
+    otherwise = PARSER + "if __name__ == '__main__':\n    pass\nelse:\n    p.add_argument('--a')\n"
+    assert "condition" in (extract_static(otherwise).dynamic_reason or "")
+
+
+def test_literal_remainder_nargs_is_accepted_like_the_argparse_name():
+    literal = extract_static(PARSER + 'p.add_argument("rest", nargs="...")\n').schema
+    named = extract_static(PARSER + 'p.add_argument("rest", nargs=argparse.REMAINDER)\n').schema
+    assert literal is not None
+    assert literal == named
+    assert literal.arguments[0].nargs == "..."
+
+
+def test_literal_set_defaults_sets_the_advertised_default(tmp_path):
+    source = (
+        PARSER + 'p.set_defaults(b="early", func="ignored")\n'
+        'p.add_argument("--a", default="x", help="a is %(default)s")\n'
+        'p.add_argument("--b", help="b is %(default)s")\n'
+        'p.add_argument("--c", default="own")\n'
+        'p.add_argument("--flag", action="store_true")\n'
+        'p.set_defaults(a="y", flag=True)\n'
+        "print(vars(p.parse_args()))\n"
+    )
+    schema = extract_static(source).schema
+    assert schema is not None
+    props = schema.json_schema()["properties"]
+    # set_defaults before add_argument fills only a missing default; after it, it overrides
+    assert props["a"] == {"type": "string", "default": "y", "description": "a is y"}
+    assert props["b"] == {"type": "string", "default": "early", "description": "b is early"}
+    assert props["c"]["default"] == "own"
+    assert props["flag"]["default"] is True
+    script = tmp_path / "defaults.py"
+    script.write_text(source)
+    parsed = ast.literal_eval(run_script(script, [], tool="defaults", timeout=20).stdout)
+    assert {k: parsed[k] for k in ("a", "b", "c", "flag")} == {"a": "y", "b": "early", "c": "own", "flag": True}
+
+
+def test_relative_script_paths_run_and_reflect(monkeypatch):
+    marker = Path("/tmp/cacherouter-dynamic-was-executed")
+    monkeypatch.chdir(CORPUS.parent)
+    result = run_script(Path("corpus/no_args.py"), [], tool="no_args", timeout=20)
+    assert result.ok, result.stderr
+    schema = script_schema(Path("corpus/dynamic_loop.py"), allow_reflection=True)
+    assert schema.source == "reflection"
+    assert set(schema.json_schema()["properties"]) == {"alpha", "beta"}
+    marker.unlink()
+
+
+def test_tool_environment_drops_model_api_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHEROUTER_MAIN_API_KEY", "sk-secret-main")
+    monkeypatch.setenv("CACHEROUTER_ROUTER_API_KEY", "sk-secret-router")
+    monkeypatch.setenv("CACHEROUTER_MAIN_MODEL", "visible-model")
+    script = tmp_path / "env.py"
+    script.write_text("import os\nprint(sorted(os.environ.items()))\n")
+    for env in (None, {"CACHEROUTER_MAIN_API_KEY": "sk-secret-main", "KEEP": "1"}):
+        result = run_script(script, [], tool="env", timeout=20, env=env)
+        assert result.ok, result.stderr
+        assert "sk-secret" not in result.stdout
+    assert "visible-model" in run_script(script, [], tool="env", timeout=20).stdout
+    reflected = tmp_path / "reflected.py"
+    reflected.write_text("import argparse, os\nprint(os.environ.get('CACHEROUTER_MAIN_API_KEY'))\n")
+    with pytest.raises(SchemaError) as info:
+        reflect_schema(reflected)
+    assert "sk-secret" not in str(info.value)
+
+
+def test_timeout_holds_when_a_detached_grandchild_keeps_the_pipes(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(20)'], start_new_session=True)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    start = time.monotonic()
+    result = run_script(script, [], tool="hang", timeout=1)
+    elapsed = time.monotonic() - start
+    grandchild = int(result.stdout.split()[0])
+    os.kill(grandchild, signal.SIGKILL)
+    assert result.timed_out
+    assert elapsed < 5
+
+
+def test_tool_output_read_into_memory_is_bounded(tmp_path):
+    script = tmp_path / "loud.py"
+    script.write_text("import sys\nsys.stdout.write('x' * 20_000_000)\nsys.stderr.write('e\\r\\n')\n")
+    tracemalloc.start()
+    try:
+        result = run_script(script, [], tool="loud", timeout=30)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.ok
+    assert result.stdout == "x" * MAX_OUTPUT_CHARS
+    assert result.stderr == "e\n"
+    assert peak < 2_000_000

@@ -1,8 +1,10 @@
+import pytest
 from support import add_tool, make_repo
 
 from cacherouter.accounting import Ledger, RecordingModel
 from cacherouter.agent import Agent, AgentConfig
 from cacherouter.cachemodel import DeepSeekCacheModel, render_message
+from cacherouter.errors import SchemaError
 from cacherouter.gateway import Gateway, GatewayConfig
 from cacherouter.mainview import MainView
 from cacherouter.models import ChatRequest, ChatResponse, ScriptedModel, SimulatedProvider, ToolCall
@@ -176,6 +178,95 @@ def test_tool_segment_is_byte_identical_across_reloads_skills_and_restarts(tmp_p
     main_digests = {r.tools_digest for r in ledger.records if r.channel in ("triage", "main", "fallback")}
     assert len(main_digests) == 1
     assert len([r for r in ledger.records if r.channel != "router"]) == 9
+
+
+def _unanswered(messages):
+    """Tool-call ids with no tool message answering them: an OpenAI-compatible API refuses such a history."""
+    pending = set()
+    for message in messages:
+        pending |= {call["id"] for call in message.get("tool_calls") or ()}
+        if message["role"] == "tool":
+            pending.discard(message["tool_call_id"])
+    return pending
+
+
+def test_triage_is_direct_only_on_the_marker_without_tool_calls(tmp_path):
+    """Providers such as llama.cpp may ignore tool_choice="none"; a reply without DIRECT_ANSWER is not an answer."""
+    triage_replies = iter(
+        [
+            ChatResponse(tool_calls=(ToolCall(id="t1", name="echo_text", arguments={"text": "x"}),)),
+            ChatResponse(content="Let me look that up for you."),  # no marker at all
+            ChatResponse(content=f"Maybe. {DIRECT_ANSWER} {NEED_TOOLS}"),
+            ChatResponse(
+                content=f"4. {DIRECT_ANSWER}", tool_calls=(ToolCall(id="t2", name="show_time", arguments={}),)
+            ),
+        ]
+    )
+
+    def main(request):
+        if request.channel == "triage":
+            return next(triage_replies)
+        return ChatResponse(content="from the loop")
+
+    agent, session, ledger, _ = make_agent(tmp_path, main)
+    for query in ("echo x", "weather in Paris now", "hmm", "2+2?"):
+        answer = agent.ask(session, query)
+        assert (answer.path, answer.text) == ("tools", "from the loop")
+    assert [r.channel for r in ledger.records] == ["triage", "main"] * 4
+    assert _unanswered(session.full) == set()
+    assert not any(m.get("tool_calls") for m in session.full)  # the discarded triage replies are not stored
+
+
+def test_unanswered_tool_calls_get_placeholder_results_when_stored_and_loaded(tmp_path):
+    def main(request):
+        if request.channel == "triage":
+            return ChatResponse(content=NEED_TOOLS)
+        if request.channel == "fallback":  # tool calls where none can run
+            return ChatResponse(content="", tool_calls=(ToolCall(id="f1", name="echo_text", arguments={}),))
+        return ChatResponse(tool_calls=(ToolCall(id=f"c{_rounds(request)}", name="show_time", arguments={}),))
+
+    agent, session, _, _ = make_agent(tmp_path, main, round_limit=1, extended_round_limit=2)
+    answer = agent.ask(session, "impossible")
+    assert answer.path == "fallback"
+    assert _unanswered(session.full) == set()
+    fallback = next(i for i, m in enumerate(session.full) if any(c["id"] == "f1" for c in m.get("tool_calls") or ()))
+    assert session.full[fallback] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "f1", "type": "function", "function": {"name": "echo_text", "arguments": "{}"}}],
+    }  # the model's reply, byte for byte
+    placeholder = session.full[fallback + 1]
+    assert (placeholder["role"], placeholder["tool_call_id"]) == ("tool", "f1")
+    assert '"status":"error"' in placeholder["content"]
+
+    # A session saved before this rule: the dangling call is answered on load, nothing else changes.
+    old = Session(view=session.view)
+    call = {"id": "x1", "type": "function", "function": {"name": "echo_text", "arguments": "{}"}}
+    old.full = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "user", "content": "next"},
+    ]
+    old.save(tmp_path / "old")
+    loaded = Session.load(tmp_path / "old", old.id)
+    assert [m["role"] for m in loaded.full] == ["user", "assistant", "tool", "user"]
+    assert loaded.full[1] == old.full[1]
+    assert _unanswered(loaded.full) == set()
+
+
+def test_skill_builder_refuses_taken_and_reserved_names_and_takes_any_description(tmp_path):
+    root = make_repo(tmp_path / "repo")
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    for name, reason in (("echo_text", "already taken by base/echo/echo_text.py"), ("internal_router", "reserved")):
+        with pytest.raises(SchemaError, match=reason):
+            build_skill(root, name=name, description="d", params=[], body="print(1)", check_arguments={})
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before  # nothing written
+
+    description = 'Say "hi" \\ and """ quotes'
+    build_skill(root, name="say_quoted", description=description, params=[], body="print(1)", check_arguments={})
+    registry = build_registry(root)
+    assert registry.tools["say_quoted"].description == description
+    assert registry.problems == ()
 
 
 def test_router_filter_stages():

@@ -13,19 +13,21 @@ import pytest
 from support import make_repo
 
 from cacherouter.chat import SCRIPTED_LABEL, build_chat, run_chat
+from cacherouter.errors import SessionError
 from cacherouter.gateway import Gateway, GatewayConfig
 from cacherouter.mainview import MainView
+from cacherouter.session import Session
+
+
+def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cacherouter.cli", *args], input=stdin, capture_output=True, text=True, timeout=120
+    )
 
 
 def chat(*args: str, stdin: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-m", "cacherouter.cli", "chat", "--scripted", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    proc = run_cli("chat", "--scripted", *args, stdin=stdin)
+    assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
 
@@ -95,8 +97,9 @@ def test_live_chat_reads_the_endpoint_from_env_and_reports_provider_usage(
         monkeypatch.setenv("CACHEROUTER_MAIN_PROVIDER", "deepseek")
         root = make_repo(tmp_path / "repo")
         with Gateway(GatewayConfig(root=root)) as gateway:
-            setup = build_chat(gateway, packages=("base",), scripted=False, sessions_dir=None)
-            session = setup.agent.new_session(MainView.from_registry(gateway.registry, ("base",)))
+            view = MainView.from_registry(gateway.registry, ("base",))
+            setup = build_chat(gateway, view=view, scripted=False, sessions_dir=None)
+            session = setup.agent.new_session(view)
             out = io.StringIO()
             run_chat(setup, session, ["price of ACME please\n", "/quit\n"], out)
     finally:
@@ -106,5 +109,73 @@ def test_live_chat_reads_the_endpoint_from_env_and_reports_provider_usage(
     assert "SCRIPTED" not in text
     assert "stock_price:ACME" in text
     assert "router -> stock_price" in text
-    assert "provider-reported router   prompt 100 tok, cache hit 60 tok" in text
-    assert "token-level cache hit rate 60.00%" in text
+    # DeepSeek prices a hit at 1/30 of an uncached input token: 40 + 60/30 = 42 uncached-token units.
+    assert "provider-reported router   prompt 100 tok, cache hit 60 tok, input cost 42.0" in text
+    assert "token-level cache hit rate 60.00%, input cost " in text
+
+
+def test_chat_and_web_help_name_the_environment_defaults_and_quit() -> None:
+    for command in ("chat", "web"):
+        text = " ".join(run_cli(command, "--help").stdout.split())  # independent of the terminal's width
+        for name in ("BASE_URL", "MODEL", "API_KEY", "PROVIDER", "TIMEOUT"):
+            assert f"CACHEROUTER_MAIN_{name}" in text
+        assert "CACHEROUTER_ROUTER_BASE_URL" in text
+        assert "default: base geography internet" in text
+        assert "seconds between repository polls (default: 1.0)" in text
+        for option in ("--blacklist", "--whitelist", "--yellowlist", "--top-k", "--tool-timeout"):
+            assert option in text
+    assert "/quit" in run_cli("chat", "--help").stdout
+
+
+def test_router_filter_options_reach_the_router(tmp_path: Path) -> None:
+    root = make_repo(tmp_path / "repo")
+    common = ("--repo", str(root), "--packages", "base", "--tool-timeout", "30")
+    out = chat(*common, stdin="Weather report for a city text=Paris\n")
+    assert "router -> city_weather" in out
+    blocked = chat(*common, "--blacklist", "city_weather", stdin="Weather report for a city text=Paris\n")
+    assert "router -> city_weather" not in blocked
+    refused = run_cli("chat", "--scripted", *common, "--top-k", "0", stdin="hello\n")
+    assert refused.returncode == 2
+    assert "--top-k must be at least 1" in refused.stderr
+
+
+def test_sessions_dir_that_is_a_file_is_refused_before_any_turn(tmp_path: Path) -> None:
+    root = make_repo(tmp_path / "repo")
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    proc = run_cli(
+        "chat",
+        "--scripted",
+        "--repo",
+        str(root),
+        "--packages",
+        "base",
+        "--sessions-dir",
+        str(afile),
+        stdin="Weather report for a city text=Paris\n",
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"cacherouter: --sessions-dir {afile}: cannot use it as a directory")
+    assert "Traceback" not in proc.stderr
+    assert "agent>" not in proc.stdout  # no turn ran, so none was lost
+    with Gateway(GatewayConfig(root=root)) as gateway:
+        session = Session(view=MainView.from_registry(gateway.registry, ("base",)))
+    with pytest.raises(SessionError, match="cannot save session"):
+        session.save(afile)
+
+
+def test_resumed_session_keeps_its_own_core_tools(tmp_path: Path) -> None:
+    root = make_repo(tmp_path / "repo")
+    sessions = tmp_path / "sessions"
+    common = ("--repo", str(root), "--sessions-dir", str(sessions))
+    out = chat(*common, "--packages", "tail", stdin="Stock price for a ticker symbol text=ACME\n")
+    session_id = out.split("session ", 1)[1].split(";", 1)[0]
+    # Resumed without --packages: the default packages (geography, internet) do not exist in this repository,
+    # and the router must still avoid the session's core tools (city_weather is one), not today's.
+    again = chat(*common, "--session", session_id, stdin="Weather report for a city text=Paris\n")
+    assert f"session {session_id}; main view: city_weather, stock_price" in again
+    assert "router -> city_weather" not in again
+    assert "router -> " in again
+    # Resumed with other --packages: the session's view still decides what the router avoids.
+    other = chat(*common, "--session", session_id, "--packages", "base", stdin="Weather report for a city text=Paris\n")
+    assert "router -> city_weather" not in other

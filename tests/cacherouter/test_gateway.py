@@ -1,10 +1,14 @@
 import json
+import logging
+import shutil
 import threading
 import time
+from pathlib import Path
 
 from support import add_tool, make_repo
 
 from cacherouter.gateway import Gateway, GatewayConfig
+from cacherouter.prompts import PLACEHOLDER_TOOL, ROUTER_TOOL
 from cacherouter.registry import Limits, build_registry
 
 
@@ -89,3 +93,145 @@ def test_tool_runs_as_subprocess_with_timeout(tmp_path):
     assert not timed.ok
     assert time.monotonic() - start < 10
     assert "timed out" in timed.to_json()["error"]
+
+
+class _Flag(logging.Handler):
+    """Sets an event when the gateway logs an error: a bounded wait on the poll thread, without sleeps."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.event.set()
+
+
+def test_pathological_scripts_are_reported_and_polling_carries_on(tmp_path):
+    root = make_repo(tmp_path / "repo")
+    (root / "tail" / "stocks" / "deep_sum.py").write_text("x = " + "+".join(["1"] * 3000) + "\n")
+    gateway = Gateway(GatewayConfig(root=root, poll_interval=0.02))
+    assert gateway.last_error is None
+    assert [p.path for p in gateway.registry.problems] == ["tail/stocks/deep_sum.py"]
+    assert "stock_price" in gateway.registry.tools
+    picked = threading.Event()
+    gateway.subscribe(lambda registry: picked.set() if "late_tool" in registry.tools else None)
+    gateway.start()
+    try:
+        (root / "tail" / "stocks" / "deep_minus.py").write_text("x = " + "-" * 10_000 + "1\n")
+        add_tool(root, "other", "late", "late_tool")
+        assert picked.wait(timeout=10)
+        assert {p.path for p in gateway.registry.problems} == {"tail/stocks/deep_sum.py", "tail/stocks/deep_minus.py"}
+    finally:
+        gateway.close()
+
+
+def test_a_failing_listener_neither_breaks_the_poll_nor_starves_the_others(tmp_path, caplog):
+    root = make_repo(tmp_path / "repo")
+    gateway = Gateway(GatewayConfig(root=root))
+    seen = []
+
+    def broken_listener(registry):
+        raise RuntimeError("listener bug")
+
+    gateway.subscribe(broken_listener)
+    gateway.subscribe(lambda registry: seen.append(registry.generation))
+    add_tool(root, "other", "fresh", "fresh_tool")
+    assert gateway.poll().changed
+    assert seen == [2]
+    assert "listener bug" in caplog.text
+
+
+def test_polling_survives_an_unexpected_error(tmp_path):
+    root = make_repo(tmp_path / "repo")
+    index = tmp_path / "index"
+    gateway = Gateway(GatewayConfig(root=root, index_dir=index, poll_interval=0.02))
+    shutil.rmtree(index)
+    index.write_text("a file where the index directory should be")  # the next index write raises OSError
+    flag = _Flag()
+    logger = logging.getLogger("cacherouter.gateway")
+    logger.addHandler(flag)
+    picked = threading.Event()
+    gateway.subscribe(lambda registry: picked.set() if "later_tool" in registry.tools else None)
+    gateway.start()
+    try:
+        add_tool(root, "other", "first", "first_tool")
+        assert flag.event.wait(timeout=10)
+        assert gateway.last_error is not None
+        index.unlink()
+        add_tool(root, "other", "later", "later_tool")
+        assert picked.wait(timeout=10)
+        assert (index / "other.json").is_file()
+    finally:
+        logger.removeHandler(flag)
+        gateway.close()
+
+
+def test_relative_repository_root_runs_tools(tmp_path, monkeypatch):
+    make_repo(tmp_path / "repo")
+    monkeypatch.chdir(tmp_path)
+    gateway = Gateway(GatewayConfig(root=Path("repo")))
+    assert gateway.config.root == tmp_path / "repo"
+    result = gateway.call("echo_text", {"text": "hi"})
+    assert result.ok, result.stderr
+    assert result.stdout.strip() == "echo_text:hi"
+    spec = build_registry(Path("repo")).get("echo_text")
+    assert spec is not None
+    assert spec.script == tmp_path / "repo" / "base" / "echo" / "echo_text.py"
+
+
+def test_a_script_broken_while_serving_keeps_its_last_good_schema(tmp_path, caplog):
+    root = make_repo(tmp_path / "repo")
+    gateway = Gateway(GatewayConfig(root=root))
+    good = gateway.registry.get("echo_text")
+    assert good is not None
+    good.script.write_text(good.script.read_text() + "\ndef broken(:\n")
+    with caplog.at_level(logging.WARNING, logger="cacherouter.gateway"):
+        assert gateway.poll().changed
+        add_tool(root, "other", "fresh", "fresh_tool")
+        assert gateway.poll().changed  # the problem is not new this time: logged once only
+    kept = gateway.registry.get("echo_text")
+    assert kept is not None
+    assert kept.schema == good.schema
+    [problem] = gateway.registry.problems
+    assert problem.path == "base/echo/echo_text.py"
+    assert "not valid Python" in problem.message
+    assert "last good schema" in problem.message
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(logged) == 1
+    assert "base/echo/echo_text.py" in logged[0]
+    assert "not valid Python" in logged[0]
+    # the call runs the current file and reports its error honestly
+    result = gateway.call("echo_text", {"text": "hi"})
+    assert not result.ok
+    assert "SyntaxError" in result.stderr
+    # a script deleted on purpose disappears
+    good.script.unlink()
+    assert gateway.poll().changed
+    assert "echo_text" not in gateway.registry.tools
+    assert gateway.registry.problems == ()
+
+
+def test_tools_do_not_see_model_api_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHEROUTER_MAIN_API_KEY", "sk-secret-123")
+    monkeypatch.setenv("CACHEROUTER_ROUTER_API_KEY", "sk-secret-456")
+    root = make_repo(tmp_path / "repo")
+    (root / "base" / "echo" / "show_env.py").write_text(
+        '"""Print the environment."""\nimport os\nfor k, v in sorted(os.environ.items()):\n    print(f"{k}={v}")\n'
+    )
+    gateway = Gateway(GatewayConfig(root=root))
+    result = gateway.call("show_env", {})
+    assert result.ok, result.stderr
+    assert "sk-secret" not in result.stdout
+    assert f"CACHEROUTER_REPO={root}" in result.stdout.splitlines()
+
+
+def test_reserved_tool_names_are_refused(tmp_path):
+    root = make_repo(tmp_path / "repo")
+    add_tool(root, "base", "echo", ROUTER_TOOL)
+    add_tool(root, "tail", "stocks", PLACEHOLDER_TOOL)
+    registry = build_registry(root)
+    assert ROUTER_TOOL not in registry.tools
+    assert PLACEHOLDER_TOOL not in registry.tools
+    messages = {p.path: p.message for p in registry.problems}
+    assert "reserved" in messages[f"base/echo/{ROUTER_TOOL}.py"]
+    assert "reserved" in messages[f"tail/stocks/{PLACEHOLDER_TOOL}.py"]

@@ -39,8 +39,9 @@ needs_browser = pytest.mark.skipif(missing_browser() is not None, reason=str(mis
 def server(tmp_path: Path) -> Iterator[AppThread]:
     root = make_repo(tmp_path / "repo")
     with Gateway(GatewayConfig(root=root)) as gateway:
-        setup = build_chat(gateway, packages=("base",), scripted=True, sessions_dir=None)
-        web = WebChat(setup, setup.agent.new_session(MainView.from_registry(gateway.registry, ("base",))))
+        view = MainView.from_registry(gateway.registry, ("base",))
+        setup = build_chat(gateway, view=view, scripted=True, sessions_dir=None)
+        web = WebChat(setup, setup.agent.new_session(view))
         with AppThread(create_app(web)) as thread:
             yield thread
 
@@ -106,6 +107,7 @@ def test_web_ui_in_chromium(server: AppThread, browser: Any, tmp_path: Path) -> 
         assert row.find_element(By.CSS_SELECTOR, "[data-field=channel]").text == request["channel"]
         assert int(row.find_element(By.CSS_SELECTOR, "[data-field=prompt]").text) == request["prompt_tokens"]
         assert int(row.find_element(By.CSS_SELECTOR, "[data-field=cached]").text) == request["cached_tokens"]
+        assert row.find_element(By.CSS_SELECTOR, "[data-field=cost]").text == f"{request['cost']:.1f}"
     assert {"triage", "main", "router"} <= {request["channel"] for request in requests}
     assert requests[0]["cached_tokens"] == 0  # a fresh offline cache claims no hit on the first request
     assert sum(r["cached_tokens"] for r in state["turns"][1]["requests"]) > 0  # the second turn reuses the prefix
@@ -114,6 +116,7 @@ def test_web_ui_in_chromium(server: AppThread, browser: Any, tmp_path: Path) -> 
     assert int(totals.find_element(By.CSS_SELECTOR, "[data-field=cached]").text) == state["totals"]["cached_tokens"]
     shown = totals.find_element(By.CSS_SELECTOR, "[data-field=hit]").text
     assert shown == f"{100 * state['totals']['hit_rate']:.1f}%"
+    assert totals.find_element(By.CSS_SELECTOR, "[data-field=cost]").text == f"{state['totals']['cost']:.1f}"
 
     screenshot = tmp_path / "cacherouter-web.png"
     assert browser.save_screenshot(str(screenshot))
@@ -135,3 +138,13 @@ def test_chat_endpoint_refuses_cross_site_and_malformed_requests(server: AppThre
         assert http.post("/api/chat", json=["not", "an", "object"]).status_code == 400
         assert http.get("/api/state", headers={"Host": "rebound.example"}).status_code == 400  # DNS rebinding
         assert http.get("/api/state").json()["turns"] == []
+
+
+def test_each_request_reports_its_relative_input_cost(server: AppThread) -> None:
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        state = http.post("/api/chat", json={"message": MESSAGES[0]}).json()["state"]
+    requests = state["turns"][0]["requests"]
+    for request in requests:  # DeepSeek's offline cache model: a hit costs 1/30 of an uncached input token
+        miss = request["prompt_tokens"] - request["cached_tokens"]
+        assert request["cost"] == pytest.approx(miss + request["cached_tokens"] / 30)
+    assert state["totals"]["cost"] == pytest.approx(sum(r["cost"] for r in requests))

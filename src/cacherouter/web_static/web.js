@@ -15,6 +15,7 @@ function el(tag, attrs, ...children) {
 }
 
 const tokens = (value) => (value === null || value === undefined ? "" : String(value));
+const cost = (value) => (value === null || value === undefined ? "unknown" : value.toFixed(1));
 const pct = (num, den) => (num === null || num === undefined || !den ? "" : ((100 * num) / den).toFixed(1) + "%");
 
 function showError(message) {
@@ -76,6 +77,7 @@ function render(state) {
         el("td", { "data-field": "prompt" }, tokens(r.prompt_tokens)),
         el("td", { "data-field": "cached" }, tokens(r.cached_tokens)),
         el("td", { "data-field": "hit" }, pct(r.cached_tokens, r.prompt_tokens)),
+        el("td", { "data-field": "cost" }, cost(r.cost)),
       ));
     }
   }
@@ -85,6 +87,7 @@ function render(state) {
   $("totals").querySelector("[data-field=cached]").textContent = totals.cached_tokens;
   $("totals").querySelector("[data-field=hit]").textContent =
     totals.hit_rate === null ? "" : (100 * totals.hit_rate).toFixed(1) + "%";
+  $("totals").querySelector("[data-field=cost]").textContent = cost(totals.cost);
   document.body.dataset.turns = String(state.turns.length);
 }
 
