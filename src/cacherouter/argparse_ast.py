@@ -250,6 +250,11 @@ class _Analyser:
                 raise _Dynamic(f"line {call.lineno}: ArgumentParser options given as **kwargs")
             if kw.arg == "parents":
                 raise _Dynamic("the parser inherits arguments from parent parsers (parents=...)")
+            if kw.arg == "fromfile_prefix_chars" and self._resolve(kw.value) is not None:
+                # A value such as "@/etc/passwd" would make argparse read that file as more arguments.
+                raise _Dynamic(f"line {call.lineno}: fromfile_prefix_chars lets an argument value name a file")
+            if kw.arg == "argument_default" and self._resolve(kw.value) is not None:
+                raise _Dynamic(f"line {call.lineno}: argument_default changes every argument's default")
             if kw.arg == "prefix_chars" and self._resolve(kw.value) != "-":
                 # The argument vector is built with '-' options; another prefix would turn them into positionals.
                 raise _Dynamic(f"line {call.lineno}: prefix_chars={ast.unparse(kw.value)} is not supported")

@@ -222,8 +222,20 @@ def test_pathological_sources_are_schema_errors(source):
         ("import argparse\np = argparse.ArgumentParser(prefix_chars='+')\np.add_argument('+x', type=int)\n", "prefix"),
         (PARSER + "p.add_argument('--a', default='x')\np.set_defaults(a=input())\n", "set_defaults"),
         (PARSER + "p.set_defaults(**{'a': 1})\np.add_argument('--a')\n", "set_defaults"),
+        ("import argparse\np = argparse.ArgumentParser(fromfile_prefix_chars='@')\np.add_argument('x')\n", "file"),
+        ("import argparse\np = argparse.ArgumentParser(argument_default='')\np.add_argument('--x')\n", "default"),
     ],
-    ids=["rebound", "two-functions", "if", "try", "prefix-chars", "computed-set-defaults", "set-defaults-kwargs"],
+    ids=[
+        "rebound",
+        "two-functions",
+        "if",
+        "try",
+        "prefix-chars",
+        "computed-set-defaults",
+        "set-defaults-kwargs",
+        "fromfile-prefix-chars",
+        "argument-default",
+    ],
 )
 def test_parsers_the_text_cannot_pin_down_are_dynamic(source, reason):
     extraction = extract_static(source)
