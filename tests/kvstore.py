@@ -115,3 +115,20 @@ class KVFactory:
     def discard(self, snapshot: Snapshot) -> None:
         self.discarded.append(snapshot.path)
         Path(snapshot.path).unlink(missing_ok=True)
+
+
+class FaultyForks(KVFactory):
+    """Forking the snapshots whose paths are in ``failing`` raises ``error``: a fault of this process (a full disk)
+    or data that is gone for everyone (``SnapshotUnusable``). Everything else is the real KV backend."""
+
+    def __init__(self, error: Exception, initial: dict[str, Any] | None = None, **cost_hints: float) -> None:
+        super().__init__(initial, **cost_hints)
+        self.error = error
+        self.failing: set[str] = set()
+        self.failed: list[str] = []
+
+    async def fork(self, snapshot: Snapshot) -> KVSandbox:
+        if snapshot.path in self.failing:
+            self.failed.append(snapshot.path)
+            raise self.error
+        return await super().fork(snapshot)

@@ -17,7 +17,7 @@ from tvcache import AlwaysSnapshot, Cache, InvalidToolCall, NeverSnapshot, Remot
 from tvcache.client import rendezvous
 from tvcache.server import CacheService, ServerThread
 
-from kvstore import KVFactory
+from kvstore import FaultyForks, KVFactory
 from server_support import wait_until
 
 ROLLOUT = [
@@ -170,6 +170,55 @@ def test_clients_fork_each_others_snapshots(server: ServerThread, tmp_path: Path
         assert factory.forked == 1  # forked the first client's snapshot
         assert server.service.leases == {}
         assert all(p.parent.parent == shared for p in shared.rglob("*") if p.is_file())
+
+
+def test_a_fork_failing_on_one_client_is_passed_over_there_and_still_served_to_others(
+    server: ServerThread, tmp_path: Path
+) -> None:
+    """One client's full disk must not cost every client the snapshot: the server keeps it, that client's lease
+    requests skip it, another client forks it."""
+    shared = tmp_path / "snapshots"
+    options = {"snapshot_policy": NeverSnapshot(), "snapshot_dir": shared}
+    with (
+        RemoteCache(server.url, snapshot_policy=AlwaysSnapshot(), snapshot_dir=shared) as first,
+        RemoteCache(server.url, **options) as second,
+        RemoteCache(server.url, **options) as third,
+    ):
+        asyncio.run(run(first, KVFactory(), ROLLOUT[:3]))
+        assert server.service.stats()["snapshots"] == 2
+        full_disk = FaultyForks(OSError(28, "No space left on device"), start=1.0, fork=0.0, snapshot=0.0)
+        full_disk.failing = {str(path) for path in shared.rglob("*") if path.is_file()}
+        with pytest.warns(RuntimeWarning, match="not forking it in this process again"):
+            results = asyncio.run(run(second, full_disk, [*ROLLOUT[:3], ("incr", {"key": "a"})]))
+        assert results[-1].output == "a=3"
+        assert (full_disk.started, full_disk.forked, len(full_disk.failed)) == (1, 0, 2)  # tried each once
+        assert server.service.stats()["snapshots"] == 2  # nothing dropped on the server, nothing freed
+        assert len(full_disk.failing & {str(path) for path in shared.rglob("*")}) == 2
+        asyncio.run(run(second, full_disk, [*ROLLOUT[:3], ("incr", {"key": "b"})]))
+        assert len(full_disk.failed) == 2  # the lease requests skip them now
+        healthy = KVFactory(start=1.0, fork=0.0, snapshot=0.0)
+        results = asyncio.run(run(third, healthy, [*ROLLOUT[:3], ("incr", {"key": "c"})]))
+        assert (healthy.started, healthy.forked, results[-1].output) == (0, 1, "c=1")
+        assert server.service.leases == {}
+
+
+def test_a_snapshot_no_client_can_fork_is_dropped_on_the_server_and_freed(server: ServerThread, tmp_path: Path) -> None:
+    shared = tmp_path / "snapshots"
+    with (
+        RemoteCache(server.url, snapshot_policy=AlwaysSnapshot(), snapshot_dir=shared) as first,
+        RemoteCache(server.url, snapshot_policy=NeverSnapshot(), snapshot_dir=shared) as second,
+    ):
+        asyncio.run(run(first, KVFactory(), ROLLOUT[:3]))
+        paths = {str(path) for path in shared.rglob("*") if path.is_file()}
+        gone = FaultyForks(tvcache.SnapshotUnusable("its blob is gone from the store"), start=1.0, fork=0.0)
+        gone.failing = paths
+        with pytest.warns(RuntimeWarning, match="dropping it"):
+            results = asyncio.run(run(second, gone, [*ROLLOUT[:3], ("incr", {"key": "a"})]))
+        assert results[-1].output == "a=3"
+        assert server.service.stats()["snapshots"] == 0
+        assert sorted(gone.discarded) == sorted(paths)  # freed by the client that met the failure
+        assert not any(path.is_file() for path in shared.rglob("*"))
+        assert server.service.leases == {}
 
 
 def test_nondeterminism_found_by_one_client_reaches_the_others(server: ServerThread) -> None:

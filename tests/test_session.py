@@ -21,11 +21,12 @@ from tvcache import (
     ReplayError,
     SandboxError,
     SessionClosed,
+    SnapshotUnusable,
     ToolSpec,
     UnknownTool,
 )
 
-from kvstore import KVFactory
+from kvstore import FaultyForks, KVFactory
 
 ROLLOUT = [
     ("set", {"key": "a", "value": 1}),
@@ -523,3 +524,49 @@ def test_evicted_snapshots_are_freed_by_the_factory_that_made_them() -> None:
         asyncio.run(run(cache, second, [("set", {"key": "b", "value": value})], task="t2"))
     assert first.discarded == []
     assert len(second.discarded) == 3
+
+
+CHAIN = [("set", {"key": "a", "value": 1}), ("incr", {"key": "a"}), ("incr", {"key": "a"})]
+
+
+def _deepest_snapshot(cache: Cache, task: str = "t") -> str:
+    graph = cache.graph(task)
+    node = max(graph.snapshot_nodes.values(), key=lambda n: n.depth)
+    assert node.snapshot is not None
+    return node.snapshot.path
+
+
+def test_a_fork_failing_in_this_process_keeps_the_snapshot_and_forks_the_next_one_up() -> None:
+    """A full disk here says nothing about the snapshot: it stays for the processes that can fork it, this one
+    passes over it from now on, and the state comes from the next snapshot up (not a fresh start)."""
+    cache = Cache(snapshot_policy=AlwaysSnapshot())
+    factory = FaultyForks(OSError(28, "No space left on device"), start=1.0, fork=0.0, snapshot=0.0)
+    asyncio.run(run(cache, factory, CHAIN))
+    snapshots = cache.stats().snapshots
+    factory.failing = {_deepest_snapshot(cache)}
+    with pytest.warns(RuntimeWarning, match="not forking it in this process again"):
+        results = asyncio.run(run(cache, factory, [*CHAIN, ("incr", {"key": "a"})]))
+    assert [r.output for r in results] == ["a=1", "a=2", "a=3", "a=4"]
+    assert (factory.started, factory.forked, len(factory.failed)) == (1, 1, 1)
+    assert cache.stats().forks_failed == 1
+    assert cache.stats().snapshots == snapshots + 1  # kept (and the new state's snapshot added)
+    assert factory.discarded == []
+    again = asyncio.run(run(cache, factory, [*CHAIN, ("set", {"key": "b", "value": 2})]))
+    assert again[-1].output == "b=2"
+    assert len(factory.failed) == 1  # not tried again here
+    cache.check_invariants()
+
+
+def test_a_snapshot_no_process_can_fork_is_dropped_and_freed() -> None:
+    cache = Cache(snapshot_policy=AlwaysSnapshot())
+    factory = FaultyForks(SnapshotUnusable("its data is gone from the store"), start=1.0, fork=0.0, snapshot=0.0)
+    asyncio.run(run(cache, factory, CHAIN))
+    snapshots = cache.stats().snapshots
+    deepest = _deepest_snapshot(cache)
+    factory.failing = {deepest}
+    with pytest.warns(RuntimeWarning, match="dropping it"):
+        results = asyncio.run(run(cache, factory, [*CHAIN, ("incr", {"key": "a"})]))
+    assert results[-1].output == "a=4"
+    assert (factory.forked, factory.discarded) == (1, [deepest])
+    assert cache.stats().snapshots == snapshots  # one dropped, one taken
+    assert deepest not in {n.snapshot.path for n in cache.graph("t").snapshot_nodes.values() if n.snapshot}

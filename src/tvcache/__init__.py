@@ -24,6 +24,7 @@ from .errors import (
     SandboxError,
     SessionClosed,
     SnapshotDeclined,
+    SnapshotUnusable,
     TVCacheError,
     UnknownTool,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "ShardedCache",
     "Snapshot",
     "SnapshotDeclined",
+    "SnapshotUnusable",
     "SyncSession",
     "TVCacheError",
     "TestResult",

@@ -41,6 +41,7 @@ _COUNTERS = (
     "uncacheable",
     "sandboxes_started",
     "sandboxes_forked",
+    "forks_failed",
     "snapshots_taken",
     "snapshots_declined",
     "snapshots_evicted",
@@ -87,6 +88,7 @@ class Cache:
         self._lock = threading.RLock()
         self._clock = clock
         self._graphs: dict[str, ToolCallGraph] = {}
+        self._unforkable_here: set[str] = set()  # paths of snapshots whose fork failed in this process
         self._specs: dict[str, ToolSpec] = {spec.name: spec for spec in tools}
         self._nondeterministic: dict[str, str] = {}
         self._inflight: dict[InflightKey, Future[Node | None]] = {}
@@ -332,15 +334,29 @@ class Cache:
             graph.set_test(node, key, value)
             self._append({"t": "test", "task": graph.task_id, "id": node.id, "k": key, "v": value})
 
-    def _lease_snapshot(self, state: Node, kind: str) -> Lease | None:
-        """Lease the deepest snapshot of backend ``kind`` at or above ``state``, if any."""
+    def _lease_snapshot(self, state: Node, kind: str, *, skip: frozenset[str] = frozenset()) -> Lease | None:
+        """Lease the deepest snapshot of backend ``kind`` at or above ``state``, passing over those whose path is
+        in ``skip`` or that failed to fork in this process."""
         with self._lock:
             node: Node | None = state.state
             while node is not None:
-                if node.snapshot is not None and node.snapshot.kind == kind:
+                snapshot = node.snapshot
+                if (
+                    snapshot is not None
+                    and snapshot.kind == kind
+                    and snapshot.path not in skip
+                    and snapshot.path not in self._unforkable_here
+                ):
                     return Lease(node)
                 node = node.parent
             return None
+
+    def _unforkable(self, snapshot: Snapshot) -> None:
+        """Leave ``snapshot`` alone in this process from now on: forking it failed here for a reason that may be
+        this process's own (see :class:`SnapshotUnusable` for the failures that drop a snapshot everywhere).
+        Keyed by path, which is unique to each snapshot taken."""
+        with self._lock:
+            self._unforkable_here.add(snapshot.path)
 
     def _release(self, lease: Lease) -> None:
         with self._lock:

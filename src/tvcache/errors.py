@@ -52,6 +52,13 @@ class SnapshotDeclined(SandboxError):
     takes no snapshot here, and later states are rebuilt by replay from an earlier snapshot or a fresh start."""
 
 
+class SnapshotUnusable(SandboxError):
+    """No process can fork this snapshot any more: its published data is gone from the store or fails its digest,
+    or its record is malformed or in a format this tvcache refuses. The cache forgets the snapshot everywhere. Any
+    other fork failure is taken as a fault of the process that met it (a full disk, a different base tree): that
+    process leaves the snapshot alone from then on, and the others keep forking it."""
+
+
 class ReplayError(SandboxError):
     """A sandbox failed while replaying cached calls to reach a state."""
 

@@ -62,6 +62,7 @@ class CacheStats:
     seconds_saved: float
     sandboxes_started: int
     sandboxes_forked: int
+    forks_failed: int  # forks that failed; the state was rebuilt from an earlier snapshot or a fresh start
     snapshots_taken: int
     snapshots_declined: int  # states a backend could not freeze exactly (e.g. hard links in an overlay)
     snapshots_evicted: int

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .calls import ToolCall, ToolSpec
-from .errors import InvalidInput, ReplayError, SandboxError, SessionClosed, SnapshotDeclined
+from .errors import InvalidInput, ReplayError, SandboxError, SessionClosed, SnapshotDeclined, SnapshotUnusable
 from .graph import Lease, Node
 from .protocol import Outcome, Sandbox, SandboxFactory, Snapshot
 from .results import AuditFinding, ToolResult
@@ -54,6 +54,7 @@ class SessionStats:
     seconds_saved: float = 0.0
     sandboxes_started: int = 0
     sandboxes_forked: int = 0
+    forks_failed: int = 0
     calls_replayed: int = 0
 
 
@@ -326,19 +327,21 @@ class Session:
     async def _fresh_sandbox(self, target: Node) -> tuple[Sandbox, Node]:
         """A new sandbox at ``target`` or an ancestor of it (returned as the base to replay from)."""
         graph = self.graph
-        lease = self.cache._lease_snapshot(target, self.factory.kind)
-        try:
-            if lease is not None:
+        while (lease := self.cache._lease_snapshot(target, self.factory.kind)) is not None:
+            try:
                 assert lease.node.snapshot is not None
                 local = self._fork_is_local(lease.node.snapshot)
                 fork_cost = self._costs.fork_seconds(local=local) + graph.replay_seconds(target, since=lease.node)
                 start_cost = self._costs.start + graph.replay_seconds(target, since=graph.root)
-                if fork_cost <= start_cost:
-                    return await self._fork(lease, local=local)
-            return await self._start(), graph.root
-        finally:
-            if lease is not None:
+                if fork_cost > start_cost:
+                    break
+                sandbox = await self._fork(lease, local=local)
+                if sandbox is not None:
+                    return sandbox, lease.node
+            finally:
                 self.cache._release(lease)
+            # that fork failed: the next snapshot up, if any, may still beat a fresh start
+        return await self._start(), graph.root
 
     async def _start(self) -> Sandbox:
         began = time.perf_counter()
@@ -359,27 +362,37 @@ class Session:
         is_local: Callable[[Snapshot], bool] | None = getattr(self.factory, "fork_is_local", None)
         return True if is_local is None else is_local(snapshot)
 
-    async def _fork(self, lease: Lease, *, local: bool = True) -> tuple[Sandbox, Node]:
-        """Fork the leased snapshot; if the snapshot turns out unusable, drop it and start fresh instead."""
+    async def _fork(self, lease: Lease, *, local: bool = True) -> Sandbox | None:
+        """Fork the leased snapshot; None if that failed. A snapshot no process can fork any more
+        (:class:`SnapshotUnusable`) is dropped; after any other failure only this process leaves it alone, since
+        the fault may be its own (a full disk, another base tree) while other workers fork it fine."""
         node = lease.node
-        assert node.snapshot is not None
+        snapshot = node.snapshot
+        assert snapshot is not None
         began = time.perf_counter()
         try:
-            sandbox = await self.factory.fork(node.snapshot)
+            sandbox = await self.factory.fork(snapshot)
         except Exception as error:
+            everywhere = isinstance(error, SnapshotUnusable)
             warnings.warn(
                 f"task {self.task_id!r}: forking the snapshot of node {node.id} failed ({error!r}); "
-                "dropping it, starting fresh and replaying instead",
+                + ("dropping it" if everywhere else "not forking it in this process again")
+                + ", and rebuilding the state from an earlier snapshot or a fresh start instead",
                 RuntimeWarning,
                 stacklevel=2,
             )
+            self.stats.forks_failed += 1
+            self.cache._count("forks_failed")
             self.cache._release(lease)
-            self.cache._drop_snapshot(self.graph, node)
-            return await self._start(), self.graph.root
+            if everywhere:
+                self.cache._drop_snapshot(self.graph, node)
+            else:
+                self.cache._unforkable(snapshot)
+            return None
         self._costs.observe("fork" if local else "fetching_fork", time.perf_counter() - began)
         self.stats.sandboxes_forked += 1
         self.cache._count("sandboxes_forked")
-        return sandbox, node
+        return sandbox
 
     async def _replay(self, sandbox: Sandbox, base: Node, target: Node, *, live: bool) -> bool:
         """Re-execute the stateful calls from ``base`` (exclusive) to ``target`` (inclusive), checking each

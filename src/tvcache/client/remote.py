@@ -340,9 +340,13 @@ class RemoteCache(Cache):
         body = {"task_id": graph.task_id, "node_id": node.id, "key": key, "value": value}
         self._request("POST", "/v1/tests/put", body)
 
-    def _lease_snapshot(self, state: Node, kind: str) -> Lease | None:
+    def _lease_snapshot(self, state: Node, kind: str, *, skip: frozenset[str] = frozenset()) -> Lease | None:
         graph = self._graph_of(state)
-        body = {"task_id": graph.task_id, "state": state.state.id, "kind": kind}
+        body: dict[str, Any] = {"task_id": graph.task_id, "state": state.state.id, "kind": kind}
+        with self._lock:
+            unforkable = sorted(self._unforkable_here | skip)
+        if unforkable:  # sent only when needed: a server older than this field refuses it
+            body["skip"] = unforkable[-1024:]
         data = self._request("POST", "/v1/snapshots/lease", body)
         if data["lease_id"] is None:
             return None
@@ -357,6 +361,21 @@ class RemoteCache(Cache):
             lease.release()
         if isinstance(lease, RemoteLease):
             self._request("POST", "/v1/snapshots/release", {"lease_id": lease.lease_id})
+
+    def _drop_snapshot(self, graph: ToolCallGraph, node: Node) -> None:
+        """The server forgets the snapshot (if the node still has it and no one holds a lease), then its data is
+        freed here; the replica forgets it either way."""
+        with self._lock:
+            snapshot = node.snapshot
+            if snapshot is None:
+                return
+            graph.detach_snapshot(node)
+        body = {"task_id": graph.task_id, "node_id": node.id, "path": snapshot.path}
+        data = self._request("POST", "/v1/snapshots/drop", body)
+        for old in data["evicted"]:
+            evicted = Snapshot.from_json(old)
+            if evicted.kind in self._discarders and self._frees_here(evicted):
+                self._discarder_for(evicted)(evicted)
 
     def _attach_snapshot(self, graph: ToolCallGraph, node: Node, snapshot: Snapshot) -> None:
         body = {"task_id": graph.task_id, "node_id": node.id, "snapshot": snapshot.to_json()}

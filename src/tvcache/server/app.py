@@ -148,6 +148,7 @@ class Server:
             ("/v1/snapshots/attach", m.AttachIn, m.AttachOut, "Attach a client-owned snapshot", s.attach),
             ("/v1/snapshots/lease", m.LeaseIn, m.LeaseOut, "Lease the nearest snapshot of a kind", s.lease),
             ("/v1/snapshots/release", m.ReleaseIn, m.OkOut, "Release a snapshot lease", s.release),
+            ("/v1/snapshots/drop", m.DropIn, m.DropOut, "Forget a snapshot no client can fork", s.drop),
             ("/v1/tests/get", m.TestGetIn, m.TestOut, "A cached test result of a state", s.test_get),
             ("/v1/tests/put", m.TestPutIn, m.OkOut, "Store a test result of a state", s.test_put),
             (

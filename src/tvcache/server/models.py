@@ -33,11 +33,14 @@ class CallIn(Request):
     arguments: dict[str, Any] = Field(default_factory=dict)
 
 
+SnapshotPath = Annotated[str, Field(min_length=1, max_length=4096)]
+
+
 class SnapshotIn(Request):
     """A snapshot owned by a client: the server records it and never touches ``path``."""
 
     kind: Annotated[str, Field(min_length=1, max_length=128)]
-    path: Annotated[str, Field(min_length=1, max_length=4096)]
+    path: SnapshotPath
     bytes: Annotated[int, Field(ge=0, le=2**62)]
     meta: dict[str, Any] = Field(default_factory=dict)
 
@@ -101,6 +104,16 @@ class LeaseIn(Request):
     state: NodeId
     kind: Annotated[str, Field(min_length=1, max_length=128)]
     ttl: Ttl | None = None
+    # Snapshots (by path) the client failed to fork: the next one up is leased instead.
+    skip: list[SnapshotPath] = Field(default_factory=list, max_length=1024)
+
+
+class DropIn(Request):
+    """Forget a snapshot no process can fork any more (its data is gone or corrupt), if the node still has it."""
+
+    task_id: TaskId
+    node_id: NodeId
+    path: SnapshotPath
 
 
 class ReleaseIn(Request):
@@ -188,6 +201,11 @@ class InsertOut(Response):
 class AttachOut(Response):
     attached: bool
     evicted: list[SnapshotOut]
+
+
+class DropOut(Response):
+    dropped: bool
+    evicted: list[SnapshotOut]  # what the client must now free (the dropped snapshot)
 
 
 class LeaseOut(Response):

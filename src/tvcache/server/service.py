@@ -365,11 +365,23 @@ class CacheService:
         if graph is None:
             return m.LeaseOut(lease_id=None, node=None, ttl=None)
         state = self.state_node(graph, body.state)
-        lease = self.cache._lease_snapshot(state, body.kind)
+        lease = self.cache._lease_snapshot(state, body.kind, skip=frozenset(body.skip))
         if lease is None:
             return m.LeaseOut(lease_id=None, node=None, ttl=None)
         held = self.hold(lease, graph.task_id, ttl=body.ttl)
         return m.LeaseOut(lease_id=held.id, node=node_out(lease.node), ttl=held.expires - self._clock())
+
+    def drop(self, body: m.DropIn) -> m.DropOut:
+        graph = self.existing_graph(body.task_id)
+        node = None if graph is None else graph.get(body.node_id)
+        if graph is None or node is None or node.snapshot is None or node.snapshot.path != body.path:
+            return m.DropOut(dropped=False, evicted=[])  # gone already, or the node has another snapshot now
+        self._evicted.clear()
+        self.cache._drop_snapshot(graph, node)
+        evicted = list(self._evicted)
+        self._evicted.clear()
+        self.counters["snapshots_evicted"] += len(evicted)
+        return m.DropOut(dropped=bool(evicted), evicted=[snapshot_out(old) for old in evicted])
 
     def hold(self, lease: Lease, task_id: str, *, ttl: float | None = None, tag: str | None = None) -> HeldLease:
         expires = self._clock() + (ttl or self.lease_ttl)

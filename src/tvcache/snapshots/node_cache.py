@@ -27,7 +27,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import SandboxError
+from ..errors import SandboxError, SnapshotUnusable
 from .archive import pack_tree, unpack_tree
 from .publication import FILE, LEGACY_TAR, TREE
 from .stores import BlobStore, check_digest, fetch_verified, is_digest
@@ -56,7 +56,7 @@ def unpack(data: bytes, fmt: str, dest: Path) -> None:
 def check_format(fmt: str) -> None:
     """SandboxError unless ``unpack`` can write blobs of format ``fmt`` (say why, and that the state replays)."""
     if fmt == LEGACY_TAR:
-        raise SandboxError(
+        raise SnapshotUnusable(
             "this folder snapshot was published by an older tvcache as a Python tar archive, which keeps times to "
             "the microsecond and no extended attributes (two different trees could share its address); it is not "
             "forked, and the state will be rebuilt by replay"

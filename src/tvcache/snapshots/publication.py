@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import SandboxError
+from ..errors import SandboxError, SnapshotUnusable
 from ..protocol import Snapshot
 from .stores import blob_digest, check_digest, check_reference, open_store
 
@@ -59,7 +59,7 @@ class LayerRef:
     def from_json(cls, data: Mapping[str, Any]) -> LayerRef:
         """The layer a record names; SandboxError if its digest is not a blob address."""
         if not isinstance(data, Mapping):
-            raise SandboxError(f"a published layer must be an object, not {data!r}: the record is corrupt")
+            raise SnapshotUnusable(f"a published layer must be an object, not {data!r}: the record is corrupt")
         return cls(digest=check_digest(data.get("digest")), squashed=bool(data.get("squashed", False)))
 
 
@@ -103,7 +103,7 @@ class Publication:
                 base=None if base is None else str(base),
             )
         except (KeyError, TypeError) as error:
-            raise SandboxError(
+            raise SnapshotUnusable(
                 f"snapshot {snapshot.path}: its publication record is malformed ({error!r}); the snapshot is not "
                 "used (the state will be rebuilt by replay)"
             ) from error

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from ..errors import SandboxError
+from ..errors import SandboxError, SnapshotUnusable
 
 __all__ = [
     "BlobStore",
@@ -62,7 +62,7 @@ def check_digest(digest: object) -> str:
     """``digest`` if it is a blob address (64 lowercase hex digits); SandboxError otherwise. A digest from a
     record names a file of a store or a node cache: anything else (``../x``) must never reach a path."""
     if not isinstance(digest, str) or not is_digest(digest):
-        raise SandboxError(
+        raise SnapshotUnusable(
             f"{digest!r} is not a snapshot blob address (64 hex digits): the record is corrupt or forged, so its "
             "snapshot is not used (the state will be rebuilt by replay)"
         )
@@ -73,7 +73,7 @@ def check_reference(digest: object, publication: object) -> Reference:
     """``(digest, publication)`` if both are well formed (``check_digest``; a publication id is 16 lowercase hex
     digits, ``new_publication_id``); SandboxError otherwise."""
     if not isinstance(publication, str) or not _PUBLICATION_ID.fullmatch(publication):
-        raise SandboxError(
+        raise SnapshotUnusable(
             f"{publication!r} is not a publication id (16 hex digits): the record is corrupt or forged, so its "
             "snapshot is not used (the state will be rebuilt by replay)"
         )
@@ -311,13 +311,13 @@ def fetch_verified(store: BlobStore, digest: str) -> bytes:
     raises SandboxError (the fork then starts fresh and replays), never reaching a sandbox."""
     data = store.get(digest)
     if data is None:
-        raise SandboxError(
+        raise SnapshotUnusable(
             f"snapshot blob {digest[:16]} is not in {store.name} (released, or lost with a node); "
             "the state will be rebuilt by replay"
         )
     actual = blob_digest(data)
     if actual != digest:
-        raise SandboxError(
+        raise SnapshotUnusable(
             f"snapshot blob from {store.name} does not match its address ({actual[:16]} != {digest[:16]}); "
             "refusing to fork corrupted data"
         )
