@@ -56,6 +56,8 @@ class ChatResponse:
     tool_calls: tuple[ToolCall, ...] = ()
     usage: Mapping[str, Any] = field(default_factory=dict)
     model: str = ""
+    # Why the provider stopped: "stop", "tool_calls", "length" (cut off), "content_filter"; None if not said.
+    finish_reason: str | None = None
 
     def assistant_message(self) -> Message:
         message: Message = {"role": "assistant", "content": self.content}
@@ -219,4 +221,10 @@ def parse_completion(data: Mapping[str, Any]) -> ChatResponse:
         tool_calls=tuple(calls),
         usage=dict(data.get("usage") or {}),
         model=str(data.get("model", "")),
+        finish_reason=_finish_reason(data),
     )
+
+
+def _finish_reason(data: Mapping[str, Any]) -> str | None:
+    reason = data["choices"][0].get("finish_reason")
+    return reason if isinstance(reason, str) and reason else None
