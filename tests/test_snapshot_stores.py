@@ -231,6 +231,20 @@ def test_digests_and_publication_ids_that_are_not_addresses_never_reach_a_path(d
 # ------------------------------------------------------------------ NodeCache
 
 
+def test_partial_entries_of_killed_fetches_are_cleared_unless_a_fetch_still_writes_them(tmp_path: Path) -> None:
+    cache = NodeCache(tmp_path / "node-cache")
+    abandoned, ours = "a" * 64, "b" * 64
+    for digest in (abandoned, ours):
+        (cache.root / f"{digest}.0123abcd.partial").mkdir()
+        (cache.root / f"{digest}.0123abcd.partial" / "half-written").write_bytes(b"x")
+    store = DirectoryStore(tmp_path / "store")
+    store.put(DIGEST, DATA, PUBLICATION)
+    with cache.pinned(ours):  # a fetch of ``ours`` is writing its partial entry right now
+        cache.fetch(DIGEST, "file", store)  # any fetch tidies up
+    left = sorted(path.name for path in cache.root.iterdir() if path.name.endswith(".partial"))
+    assert left == [f"{ours}.0123abcd.partial"]
+
+
 def test_the_default_node_cache_is_private_to_its_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with umask(0o022):

@@ -196,7 +196,10 @@ class NodeCache:
         with self._lock:
             entries = []
             for entry in self.root.iterdir():
-                if not is_digest(entry.name):  # locks, partial entries, files that are not ours
+                if entry.name.endswith(".partial"):
+                    self._remove_if_abandoned(entry)
+                    continue
+                if not is_digest(entry.name):  # locks, files that are not ours
                     continue
                 with contextlib.suppress(OSError):
                     entries.append((entry.stat().st_mtime, entry, _size(entry)))
@@ -208,13 +211,25 @@ class NodeCache:
                     total -= size
 
     def _try_remove(self, digest: str) -> bool:
+        return self._unless_pinned(digest, self.path(digest))
+
+    def _remove_if_abandoned(self, partial: Path) -> None:
+        """Remove a ``<digest>.<random>.partial`` a killed fetch left behind. Fetches write one only while they
+        pin the digest, so one that no one pins is no longer being written."""
+        digest = partial.name.split(".", 1)[0]
+        if is_digest(digest):
+            with contextlib.suppress(OSError):
+                self._unless_pinned(digest, partial)
+
+    def _unless_pinned(self, digest: str, path: Path) -> bool:
+        """Remove ``path`` if no process pins ``digest`` (a fork reading it, or a fetch writing it)."""
         fd = os.open(self.path(digest).with_name(f"{digest}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return False  # pinned by a fork in progress
-            _remove(self.path(digest))
+                return False  # pinned
+            _remove(path)
             return True
         finally:
             os.close(fd)
