@@ -366,8 +366,8 @@ class _Routes:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def healthz(self, request: Request) -> Response:
-        reader = self.reader
-        return _json({"status": "ok", "version": __version__, "namespace": reader.namespace, "shards": reader.names})
+        # Open to anyone (like the server's): liveness and version only; shard names and the namespace are data.
+        return _json({"status": "ok", "version": __version__})
 
     def per_task(self, path: str, *, node_id: bool = False, limit: bool = False) -> Route:
         """A route answered by the shard that owns the task, its query validated as the server validates it."""
