@@ -9,6 +9,7 @@ from .accounting import Ledger, RecordingModel, Summary
 from .agent import Agent, AgentConfig, Answer
 from .argparse_ast import Extraction, extract_static
 from .cachemodel import AnthropicCacheModel, DeepSeekCacheModel, OpenAICacheModel, PrefixCacheModel, cache_model
+from .endpoint import EndpointConfig, OpenAICompatibleModel
 from .errors import (
     ArgumentError,
     CacheRouterError,
@@ -25,8 +26,6 @@ from .mainview import MainView
 from .models import (
     ChatRequest,
     ChatResponse,
-    EndpointConfig,
-    OpenAICompatibleModel,
     ScriptedModel,
     SimulatedProvider,
     ToolCall,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .canonical import canonical_json
-from .errors import CacheRouterError
+from .errors import CacheRouterError, SessionError
 from .gateway import Gateway
 from .mainview import MainView
 from .models import ChatModel, ChatRequest, ChatResponse, Message, ToolCall
@@ -24,10 +24,12 @@ from .prompts import (
     DEEP_THINKING,
     DIRECT_ANSWER,
     FALLBACK,
+    INCOMPLETE,
     MAIN_SYSTEM,
     NEED_TOOLS,
     PLACEHOLDER_TOOL,
     ROUTER_TOOL,
+    TURN_ABORTED,
     UNCERTAIN,
 )
 from .router import Router, router_arguments
@@ -39,6 +41,11 @@ IMPLICIT_ERROR = re.compile(
     re.IGNORECASE | re.MULTILINE,
 )
 REPLAN_NOTE = "This call failed. Do not repeat it unchanged: re-plan from the error."
+# finish_reason values that mean the reply is not the model's whole answer, and how the INCOMPLETE note says so.
+CUT_OFF = {
+    "length": "was cut off at the output limit",
+    "content_filter": "was withheld by the provider's content filter",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,8 +115,9 @@ class Agent:
                 text = _strip_markers(reply.content)
                 self._finish(session, [user, reply.assistant_message()], text, "direct")
                 return Answer(text=text, path="direct", rounds=0, router_calls=0, calls=(), errors=0, deep_thinking=())
-        # Anything else -- NEED_TOOLS, no marker at all, or tool calls the provider let through despite
-        # tool_choice="none" -- goes to the tool loop, as the paper's Algorithm 1 does. The triage reply is not kept.
+        # Anything else -- NEED_TOOLS, no marker at all, a cut-off or empty reply, or tool calls the provider let
+        # through despite tool_choice="none" -- goes to the tool loop, as the paper's Algorithm 1 does. The triage
+        # reply is not kept.
         return self._loop(session, system, user)
 
     def _loop(self, session: Session, system: Message, user: Message) -> Answer:
@@ -127,19 +135,28 @@ class Agent:
                 deep.append("round limit reached without an answer")
                 limit = self.config.extended_round_limit
                 new.append({"role": "user", "content": DEEP_THINKING.format(reason=deep[-1])})
-            reply = self.main.complete(
-                ChatRequest(
-                    messages=(system, *session.full, *new),
-                    tools_json=session.view.tools_json,
-                    tool_choice="auto",
-                    channel="main",
-                )
+            request = ChatRequest(
+                messages=(system, *session.full, *new),
+                tools_json=session.view.tools_json,
+                tool_choice="auto",
+                channel="main",
             )
+            reply = self._complete_after_tools(session, request, new, calls)
             rounds += 1
-            new.append(reply.assistant_message())
             if not reply.tool_calls:
-                answer = _strip_markers(reply.content)
-                break
+                problem = _not_an_answer(reply)
+                if problem is None:
+                    new.append(reply.assistant_message())
+                    answer = _strip_markers(reply.content)
+                    break
+                # Not an answer: ask again, at the price of a failed round. A cut-off text stays in the history
+                # (the model's bytes, for the cache); an empty assistant message is refused by many chat APIs.
+                if reply.content:
+                    new.append(reply.assistant_message())
+                new.append({"role": "user", "content": INCOMPLETE.format(problem=problem)})
+                penalty += 1
+                continue
+            new.append(reply.assistant_message())
             context = [str(m.get("content", ""))[:300] for m in new if m.get("role") == "tool"][-3:]
             results = self._run_calls(session.view, reply.tool_calls, context)
             failed_round = False
@@ -163,7 +180,7 @@ class Agent:
                     limit = self.config.extended_round_limit
                     new.append({"role": "user", "content": DEEP_THINKING.format(reason=reason)})
         path = "tools" if answer is not None else "fallback"
-        text = answer if answer is not None else self._fallback(session, system, new)
+        text = answer if answer is not None else self._fallback(session, system, new, calls)
         self._finish(session, new, text, path)
         return Answer(
             text=text,
@@ -175,23 +192,57 @@ class Agent:
             deep_thinking=tuple(deep),
         )
 
-    def _fallback(self, session: Session, system: Message, new: list[Message]) -> str:
+    def _fallback(self, session: Session, system: Message, new: list[Message], calls: list[CallRecord]) -> str:
         new.append({"role": "user", "content": FALLBACK})
-        reply = self.main.complete(
-            ChatRequest(
-                messages=(system, *session.full, *new),
-                tools_json=session.view.tools_json,
-                tool_choice="none",
-                channel="fallback",
-            )
+        request = ChatRequest(
+            messages=(system, *session.full, *new),
+            tools_json=session.view.tools_json,
+            tool_choice="none",
+            channel="fallback",
         )
+        reply = self._complete_after_tools(session, request, new, calls)
         text = _strip_markers(reply.content)
         if not text:
             text = "I could not finish this task with the tools available, and will not guess the result."
+        elif reply.finish_reason in CUT_OFF:
+            text = f"{text} (this answer {CUT_OFF[reply.finish_reason]})"
         if UNCERTAIN not in text:
             text = f"{UNCERTAIN} {text}"
-        new.append(reply.assistant_message())  # the model's bytes, for the cache; the user sees ``text``
+        if reply.content or reply.tool_calls:  # the model's bytes, for the cache; the user sees ``text``
+            new.append(reply.assistant_message())
         return text
+
+    def _complete_after_tools(
+        self, session: Session, request: ChatRequest, new: list[Message], calls: list[CallRecord]
+    ) -> ChatResponse:
+        """One main-model request of the loop. If it fails (or is interrupted) after tools have run, their calls
+        and results are stored as an aborted turn before the error goes on: the tools' effects are real, and
+        neither the user nor the model may lose track of them."""
+        try:
+            return self.main.complete(request)
+        except BaseException as e:
+            if any(m.get("role") == "tool" for m in new):
+                self._abort(session, new, calls, e)
+            raise
+
+    def _abort(self, session: Session, new: list[Message], calls: list[CallRecord], error: BaseException) -> None:
+        """Store the partial turn in both streams, closed by a TURN_ABORTED note, and save the session.
+
+        The note is an assistant message, so the history stays valid for chat APIs (every call answered, no empty
+        message) and reads as the turn's outcome; the compact stream gets the same note in place of an answer.
+        """
+        reason = (
+            "interrupted by the user" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}"
+        )
+        made = ", ".join(
+            (f"{c.routed_to} via {c.name}" if c.routed_to else c.name) + ("" if c.ok else " (failed)") for c in calls
+        )
+        note = TURN_ABORTED.format(calls=made, reason=reason[:200])  # calls first: the compact copy is cut
+        new.append({"role": "assistant", "content": note})
+        try:
+            self._finish(session, new, note, "aborted")
+        except SessionError as save_error:  # the model's failure stays the error raised; this one rides along
+            error.add_note(f"the partial turn could not be saved either: {save_error}")
 
     def _run_calls(
         self, view: MainView, tool_calls: tuple[ToolCall, ...], context: list[str]
@@ -244,8 +295,20 @@ class Agent:
 
 
 def _is_direct(reply: ChatResponse) -> bool:
-    """Triage answers directly only on the direct-answer marker, with no tool calls and no NEED_TOOLS marker."""
-    return DIRECT_ANSWER in reply.content and NEED_TOOLS not in reply.content and not reply.tool_calls
+    """Triage answers directly only when its last marker is DIRECT_ANSWER (reasoning before it may mention either
+    marker), with no tool calls, and with a whole, non-empty answer."""
+    content = reply.content
+    last_is_direct = content.rfind(DIRECT_ANSWER) > content.rfind(NEED_TOOLS)
+    return last_is_direct and not reply.tool_calls and _not_an_answer(reply) is None
+
+
+def _not_an_answer(reply: ChatResponse) -> str | None:
+    """Why a reply without tool calls is no answer to show the user (cut off, filtered, empty), or None."""
+    if reply.finish_reason in CUT_OFF:
+        return CUT_OFF[reply.finish_reason]
+    if not _strip_markers(reply.content):
+        return "was empty"
+    return None
 
 
 def _strip_markers(text: str) -> str:

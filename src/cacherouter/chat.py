@@ -2,38 +2,39 @@
 
 With a real model, the main and router models are OpenAI-compatible endpoints configured by the
 ``CACHEROUTER_MAIN_*`` / ``CACHEROUTER_ROUTER_*`` environment variables (see
-:class:`~cacherouter.models.EndpointConfig`), and the cache figures printed after each turn are what the provider
+:class:`~cacherouter.endpoint.EndpointConfig`), and the cache figures printed after each turn are what the provider
 reported in its usage fields.
 
 With ``--scripted`` no network is used: a rule-based stand-in plays both models (it always routes the whole message
 through ``INTERNAL_ROUTER``; the router picks the top candidate and fills its arguments from ``key=value`` words in
 the message), and the cache figures come from the offline DeepSeek prefix-cache model. Everything it prints is
 labelled SCRIPTED; it demonstrates the request architecture, not a model's intelligence.
+
+Ctrl-C ends the chat with exit status 130 (the shell's convention for SIGINT), also in the middle of a turn: the
+session file keeps every finished turn, plus -- if a model call was interrupted after tools had run -- that turn's
+tool calls, marked aborted (see :meth:`Agent._abort`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from .accounting import Ledger, RecordingModel
+from .accounting import Ledger, RecordingModel, RequestRecord
 from .agent import Agent, AgentConfig
 from .cachemodel import DeepSeekCacheModel
+from .endpoint import MAIN_PREFIX, ROUTER_PREFIX, EndpointConfig, OpenAICompatibleModel
 from .errors import CacheRouterError
 from .gateway import Gateway
 from .mainview import MainView
 from .models import (
-    MAIN_PREFIX,
-    ROUTER_PREFIX,
     ChatModel,
     ChatRequest,
     ChatResponse,
-    EndpointConfig,
-    OpenAICompatibleModel,
     ScriptedModel,
     SimulatedProvider,
     ToolCall,
@@ -47,6 +48,10 @@ COST_NOTE = (
     "unknown where the provider or its prices are not known)"
 )
 SCRIPTED_LABEL = "SCRIPTED demo: rule-based stand-in models, offline DeepSeek cache model, no network"
+# The longest message a user may send, in characters, in the terminal and in the web UI alike: far above any
+# question, below what would swamp a model's context window.
+MAX_MESSAGE_CHARS = 200_000
+INTERRUPTED_EXIT = 130
 _PAIR = re.compile(r"(\w+)=(\"[^\"]*\"|\S+)")
 _QUIT = {"/quit", "/exit", ":q"}
 
@@ -165,43 +170,104 @@ def format_cost(cost: float | None) -> str:
     return "unknown" if cost is None else f"{cost:.1f}"
 
 
+def known_cost(records: Sequence[RequestRecord]) -> tuple[float | None, int]:
+    """The summed relative input cost of the requests whose cost is known (None if there are none), and the number
+    of requests whose cost is unknown -- to be shown next to the sum, so that it never passes for the whole."""
+    costs = [record.cost for record in records if record.cost is not None]
+    return (sum(costs) if costs else None), len(records) - len(costs)
+
+
+def format_total_cost(records: Sequence[RequestRecord]) -> str:
+    cost, unknown = known_cost(records)
+    if cost is None or not unknown:
+        return format_cost(cost)
+    return f"{cost:.1f} (+{_requests(unknown)} of unknown cost)"
+
+
+def message_too_long(message: str) -> str | None:
+    """Why ``message`` is refused (over :data:`MAX_MESSAGE_CHARS`), or None."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return None
+    return (
+        f"the message has {len(message):,} characters; the limit is {MAX_MESSAGE_CHARS:,}: shorten it, or put the "
+        "text in a file and ask for it to be read"
+    )
+
+
+def _requests(count: int) -> str:
+    return f"{count} request" if count == 1 else f"{count} requests"
+
+
+def _tokens(count: int | None) -> str:
+    return "unknown" if count is None else str(count)
+
+
 def run_chat(setup: ChatSetup, session: Session, lines: Iterable[str], out: TextIO, *, prompt: str = "you> ") -> int:
-    """Answer each line until end of input or ``/quit``; print per-request cache figures after each turn."""
+    """Answer each line until end of input or ``/quit``; print per-request cache figures after each turn.
+
+    Returns the exit status: 0, or 130 after Ctrl-C (which ends the chat, during a turn too; see the module doc).
+    """
     label = "SCRIPTED" if setup.scripted else "provider-reported"
     print(
         SCRIPTED_LABEL if setup.scripted else "Live models (OpenAI-compatible endpoints from CACHEROUTER_*).", file=out
     )
     print(f"session {session.id}; main view: {', '.join(session.view.core_tools)} + {ROUTER_TOOL}", file=out)
     print(prompt, end="", file=out, flush=True)
-    for line in lines:
-        query = line.strip()
-        if query in _QUIT:
-            break
-        if query:
-            seen = len(setup.ledger.records)
-            try:
-                answer = setup.agent.ask(session, query)
-            except CacheRouterError as e:
-                print(f"error: {e}", file=out)
-            else:
-                routed = [c.routed_to for c in answer.calls if c.routed_to]
-                print(f"agent> {answer.text}", file=out)
-                print(f"  [{answer.path}; router -> {', '.join(routed) or 'none'}]", file=out)
-                for record in setup.ledger.records[seen:]:
-                    usage = record.usage
-                    cached = "unknown" if usage.cached_tokens is None else str(usage.cached_tokens)
-                    print(
-                        f"  {label} {record.channel:<8} prompt {usage.prompt_tokens} tok, cache hit {cached} tok, "
-                        f"input cost {format_cost(record.cost)}",
-                        file=out,
-                    )
-        print(prompt, end="", file=out, flush=True)
+    status = 0
+    turns = len(session.turns)
+    try:
+        for line in lines:
+            query = line.strip()
+            if query in _QUIT:
+                break
+            if query:
+                turns = len(session.turns)
+                _turn(setup, session, query, out, label)
+                turns = len(session.turns)
+            print(prompt, end="", file=out, flush=True)
+    except KeyboardInterrupt:
+        print(f"\n{_interrupted(setup, session, turns)}", file=out)
+        status = INTERRUPTED_EXIT
     summary = setup.ledger.summary()
     rate = "n/a" if summary.hit_rate is None else f"{summary.hit_rate * 100:.2f}%"
+    if summary.unknown_requests:
+        rate += f" ({_requests(summary.unknown_requests)} without cache figures left out)"
     print(
-        f"\n{label} totals: {summary.requests} requests, token-level cache hit rate {rate}, "
-        f"input cost {format_cost(summary.cost)}",
+        f"\n{label} totals: {_requests(summary.requests)}, token-level cache hit rate {rate}, "
+        f"input cost {format_total_cost(setup.ledger.records)}",
         file=out,
     )
     print(COST_NOTE, file=out)
-    return 0
+    return status
+
+
+def _turn(setup: ChatSetup, session: Session, query: str, out: TextIO, label: str) -> None:
+    refused = message_too_long(query)
+    if refused is not None:
+        print(f"error: {refused}", file=out)
+        return
+    seen = len(setup.ledger.records)
+    try:
+        answer = setup.agent.ask(session, query)
+    except CacheRouterError as e:
+        print(f"error: {e}", file=out)
+        return
+    routed = [c.routed_to for c in answer.calls if c.routed_to]
+    print(f"agent> {answer.text}", file=out)
+    print(f"  [{answer.path}; router -> {', '.join(routed) or 'none'}]", file=out)
+    for record in setup.ledger.records[seen:]:
+        usage = record.usage
+        print(
+            f"  {label} {record.channel:<8} prompt {_tokens(usage.prompt_tokens)} tok, "
+            f"cache hit {_tokens(usage.cached_tokens)} tok, input cost {format_cost(record.cost)}",
+            file=out,
+        )
+
+
+def _interrupted(setup: ChatSetup, session: Session, turns_before: int) -> str:
+    """What Ctrl-C left behind, in one line."""
+    if setup.agent.config.sessions_dir is None:
+        return "interrupted; this session is not saved (no --sessions-dir)"
+    if len(session.turns) > turns_before and session.turns[-1].get("path") == "aborted":
+        return "interrupted; the session is saved with this turn's tool calls, marked aborted"
+    return "interrupted; the session is saved as of the last finished turn"

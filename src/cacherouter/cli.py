@@ -12,9 +12,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .endpoint import MAIN_PREFIX, ROUTER_PREFIX
 from .errors import CacheRouterError, ConfigError
 from .mainview import MainView
-from .models import MAIN_PREFIX, ROUTER_PREFIX
 from .registry import build_registry, script_schema
 from .relevance import RANKERS, SCORERS, make_ranker
 from .router import RouterConfig
@@ -31,8 +31,9 @@ models (ignored with --scripted): OpenAI-compatible endpoints from environment v
   {MAIN_PREFIX}_MODEL      e.g. deepseek-chat (required)
   {MAIN_PREFIX}_API_KEY    sent as a Bearer token (default: none)
   {MAIN_PREFIX}_PROVIDER   usage fields and prices: {", ".join(PROVIDERS)} (default: detect)
-  {MAIN_PREFIX}_TIMEOUT    seconds per request (default: 120)
-  {ROUTER_PREFIX}_BASE_URL, _MODEL, _API_KEY, _PROVIDER, _TIMEOUT
+  {MAIN_PREFIX}_TIMEOUT    seconds for a whole request, retries included (default: 120)
+  {MAIN_PREFIX}_RETRIES    retries after a 429/5xx answer or a dropped connection (default: 2)
+  {ROUTER_PREFIX}_BASE_URL, _MODEL, _API_KEY, _PROVIDER, _TIMEOUT, _RETRIES
       the router sub-model. Unset {ROUTER_PREFIX}_BASE_URL: the router uses all the {MAIN_PREFIX}_*
       settings. Set: only {ROUTER_PREFIX}_* are read (no {ROUTER_PREFIX}_API_KEY = no key sent).
 """

@@ -37,6 +37,18 @@ DEEP_THINKING = (
     "what is still missing, and either finish with what is known or take a different route."
 )
 
+INCOMPLETE = (
+    "[INCOMPLETE] Your last reply {problem}, so it is not an answer. Give the complete answer again, concisely, "
+    "or call a tool if one is still needed."
+)
+
+# Not sent as a request of its own: it closes a turn whose model call failed after tools had run, in both history
+# streams, so the model (and a resumed session) know those calls did run and their effects stand.
+TURN_ABORTED = (
+    "[TURN ABORTED] This turn's tool calls were made and their results stand: {calls}. Then the turn ended "
+    "without an answer: {reason}."
+)
+
 FALLBACK = (
     "[FINAL] No more tool calls are possible. Answer now from the information already gathered. State plainly "
     f"what could not be established, and begin the answer with {UNCERTAIN} if any part is unverified."

@@ -7,7 +7,8 @@ Stages (each its own function so a test can check it alone):
 3. :func:`filter_candidates` — blacklist (hard), whitelist (if any), top-k relevance, then the yellowlist: core
    tools are avoided because the main model can call them itself, unless nothing else is left (keep the top 1).
 4. One router sub-model request with only those candidates and ``tool_choice="auto"``.
-5. Run the chosen tool; return JSON text. Tool definitions never leave this module.
+5. Run the chosen tool -- never with arguments the sub-model garbled (a retry instead); return JSON text. Tool
+   definitions never leave this module.
 """
 
 from __future__ import annotations
@@ -148,6 +149,17 @@ class Router:
             reason = response.content.strip() or "the router model called no suitable tool"
             return RouterOutcome(
                 status="retry", tool=None, candidates=names, payload={"status": "retry", "reason": reason[:500]}
+            )
+        if chosen.raw_arguments:  # invalid JSON or not an object: running the tool with {} would be a guess
+            reason = (
+                f"the router model's arguments for {chosen.name} are not a JSON object "
+                f"({chosen.raw_arguments[:200]}); the tool was not run: give the task's inputs explicitly"
+            )
+            return RouterOutcome(
+                status="retry",
+                tool=None,
+                candidates=names,
+                payload={"status": "retry", "tool": chosen.name, "reason": reason},
             )
         try:
             result = registry.tools[chosen.name]

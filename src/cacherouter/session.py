@@ -3,6 +3,8 @@
 *compact* is what first-round triage sees (one question and one short answer per finished turn); *full* is what
 the tool loop sees (every message, tool call and result). Both only ever grow at the end, which is what keeps
 their prefixes cacheable. The main view's text is stored too, so a resumed session sends the very same bytes.
+A turn whose model call failed after tools had run is stored as well, closed by a ``[TURN ABORTED]`` note (path
+``"aborted"``): the tools' effects are real, so the history must not forget them.
 
 Chat APIs reject a history in which an assistant message's tool call has no tool message answering it (HTTP 400),
 so :func:`answer_tool_calls` completes such calls with placeholder error results before a turn is stored, and

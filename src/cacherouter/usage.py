@@ -11,7 +11,7 @@ as generic fields: a typo such as ``deepseek-chat`` (a model name) would otherwi
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import ConfigError
@@ -56,35 +56,83 @@ def normalize_provider(provider: str | None) -> str | None:
 
 
 def parse_usage(usage: Mapping[str, Any] | None, provider: str | None = None) -> Usage:
-    """Normalise a ``usage`` object. ``provider`` is one of :data:`PROVIDERS` (any case), or None to detect."""
+    """Normalise a ``usage`` object. ``provider`` is one of :data:`PROVIDERS` (any case), or None to detect.
+
+    Figures that contradict each other (negative counts, more cached tokens than the prompt holds) are reported as
+    unknown: a gateway's bug must not turn into negative costs or hit rates above 100%.
+    """
     usage = usage or {}
     kind = normalize_provider(provider) or detect_provider(usage)
     if kind == "anthropic":
-        read = _int(usage.get("cache_read_input_tokens"))
-        write = _int(usage.get("cache_creation_input_tokens"))
-        uncached = _int(usage.get("input_tokens"))
-        # Anthropic's input_tokens is only the uncached remainder; the prompt is the sum of the three.
-        prompt = None if uncached is None else uncached + (read or 0) + (write or 0)
-        return Usage(
-            provider=kind,
-            prompt_tokens=prompt,
-            cached_tokens=read,
-            cache_write_tokens=write,
-            completion_tokens=_int(usage.get("output_tokens")),
-        )
-    prompt = _int(usage.get("prompt_tokens"))
-    completion = _int(usage.get("completion_tokens"))
-    if kind == "deepseek":
+        parsed = _anthropic(usage)
+    elif kind == "deepseek":
+        prompt = _int(usage.get("prompt_tokens"))
         hit = _int(usage.get("prompt_cache_hit_tokens"))
         miss = _int(usage.get("prompt_cache_miss_tokens"))
         if prompt is None and hit is not None and miss is not None:
             prompt = hit + miss
-        return Usage(provider=kind, prompt_tokens=prompt, cached_tokens=hit, completion_tokens=completion)
+        if hit is None and prompt is not None and miss is not None:
+            hit = prompt - miss  # arithmetic, not a guess; a miss above the prompt is caught as inconsistent
+        parsed = Usage(
+            provider=kind,
+            prompt_tokens=prompt,
+            cached_tokens=hit,
+            completion_tokens=_int(usage.get("completion_tokens")),
+        )
+    else:
+        prompt = _int(usage.get("prompt_tokens"))
+        if prompt is None:
+            prompt = _int(usage.get("input_tokens"))
+        parsed = Usage(
+            provider=kind,
+            prompt_tokens=prompt,
+            cached_tokens=_details(usage, "cached_tokens"),
+            completion_tokens=_int(usage.get("completion_tokens")),
+        )
+    return _consistent(parsed)
+
+
+def _anthropic(usage: Mapping[str, Any]) -> Usage:
+    read = _int(usage.get("cache_read_input_tokens"))
+    write = _int(usage.get("cache_creation_input_tokens"))
+    uncached = _int(usage.get("input_tokens"))
+    completion = _int(usage.get("output_tokens"))
+    if uncached is not None:
+        # Anthropic's input_tokens is only the uncached remainder; the prompt is the sum of the three.
+        prompt: int | None = uncached + (read or 0) + (write or 0)
+    else:
+        # Claude behind a chat-completions gateway (LiteLLM and the like): OpenAI's fields, where prompt_tokens
+        # counts the whole prompt, cached and written tokens included, and cached_tokens is a part of it.
+        prompt = _int(usage.get("prompt_tokens"))
+        read = read if read is not None else _details(usage, "cached_tokens")
+        write = write if write is not None else _details(usage, "cache_creation_tokens")
+        completion = completion if completion is not None else _int(usage.get("completion_tokens"))
+    return Usage(
+        provider="anthropic",
+        prompt_tokens=prompt,
+        cached_tokens=read,
+        cache_write_tokens=write,
+        completion_tokens=completion,
+    )
+
+
+def _details(usage: Mapping[str, Any], name: str) -> int | None:
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
-    cached = _int(details.get("cached_tokens")) if isinstance(details, Mapping) else None
-    if prompt is None:
-        prompt = _int(usage.get("input_tokens"))
-    return Usage(provider=kind, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion)
+    return _int(details.get(name)) if isinstance(details, Mapping) else None
+
+
+def _consistent(usage: Usage) -> Usage:
+    """``usage`` with the figures that cannot all be true made unknown: negative counts, or more cached and
+    written tokens than the prompt holds."""
+    counts = (usage.prompt_tokens, usage.cached_tokens, usage.cache_write_tokens)
+    stored = (usage.cached_tokens or 0) + (usage.cache_write_tokens or 0)
+    if any(count is not None and count < 0 for count in counts) or (
+        usage.prompt_tokens is not None and stored > usage.prompt_tokens
+    ):
+        usage = replace(usage, prompt_tokens=None, cached_tokens=None, cache_write_tokens=None)
+    if usage.completion_tokens is not None and usage.completion_tokens < 0:
+        usage = replace(usage, completion_tokens=None)
+    return usage
 
 
 def detect_provider(usage: Mapping[str, Any]) -> str:

@@ -25,3 +25,9 @@ def make_repo(root: Path) -> Path:
     add_tool(root, "tail", "weather", "city_weather", "Weather report for a city.")
     add_tool(root, "tail", "stocks", "stock_price", "Stock price for a ticker symbol.")
     return root
+
+
+def replies_since_query(messages) -> int:
+    """Assistant replies since the user's query; the notes the agent adds ([RE-PLAN], [FINAL]...) are not queries."""
+    last_query = max(i for i, m in enumerate(messages) if m["role"] == "user" and not str(m["content"]).startswith("["))
+    return sum(1 for m in messages[last_query:] if m["role"] == "assistant")

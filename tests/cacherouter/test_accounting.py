@@ -6,10 +6,11 @@ import pytest
 
 from cacherouter.accounting import Ledger, RecordingModel
 from cacherouter.cachemodel import AnthropicCacheModel, DeepSeekCacheModel, OpenAICacheModel
+from cacherouter.endpoint import EndpointConfig, OpenAICompatibleModel, parse_completion
 from cacherouter.errors import ConfigError
 from cacherouter.evaluation.runner import run_workload
 from cacherouter.evaluation.suite import DIALOGUE, SUITE
-from cacherouter.models import ChatRequest, EndpointConfig, OpenAICompatibleModel, parse_completion
+from cacherouter.models import ChatRequest
 from cacherouter.tokens import ApproximateTokenizer, default_tokenizer
 from cacherouter.usage import parse_usage
 

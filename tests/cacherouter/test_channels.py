@@ -1,10 +1,10 @@
 import pytest
-from support import add_tool, make_repo
+from support import add_tool, make_repo, replies_since_query
 
 from cacherouter.accounting import Ledger, RecordingModel
 from cacherouter.agent import Agent, AgentConfig
 from cacherouter.cachemodel import DeepSeekCacheModel, render_message
-from cacherouter.errors import SchemaError
+from cacherouter.errors import ModelError, SchemaError
 from cacherouter.gateway import Gateway, GatewayConfig
 from cacherouter.mainview import MainView
 from cacherouter.models import ChatRequest, ChatResponse, ScriptedModel, SimulatedProvider, ToolCall
@@ -252,6 +252,158 @@ def test_unanswered_tool_calls_get_placeholder_results_when_stored_and_loaded(tm
     assert [m["role"] for m in loaded.full] == ["user", "assistant", "tool", "user"]
     assert loaded.full[1] == old.full[1]
     assert _unanswered(loaded.full) == set()
+
+
+def test_a_model_failure_after_tools_ran_keeps_the_partial_turn(tmp_path):
+    """A 503 in round 2: the tool of round 1 already ran (side effects), so the stored session and the model's
+    next request must say so, with every tool call answered."""
+
+    def main(request):
+        if request.channel == "triage":
+            return ChatResponse(content=NEED_TOOLS)
+        if replies_since_query(request.messages) == 0:
+            return ChatResponse(tool_calls=(ToolCall(id="w1", name="echo_text", arguments={"text": "written"}),))
+        raise ModelError("http://provider/chat/completions answered HTTP 503: overloaded")
+
+    sessions = tmp_path / "sessions"
+    agent, session, _, _ = make_agent(tmp_path, main, sessions_dir=sessions)
+    with pytest.raises(ModelError, match="503"):
+        agent.ask(session, "write it")
+    loaded = Session.load(sessions, session.id)
+    assert [m["role"] for m in loaded.full] == ["user", "assistant", "tool", "assistant"]
+    assert "echo_text:written" in loaded.full[2]["content"]
+    note = loaded.full[3]["content"]
+    assert note.startswith("[TURN ABORTED]")
+    assert "503" in note
+    assert _unanswered(loaded.full) == set()
+    assert [m["role"] for m in loaded.compact] == ["user", "assistant"]  # triage learns the tool ran, too
+    assert "echo_text" in loaded.compact[1]["content"]
+    assert loaded.turns == [{"query": "write it", "answer": note, "path": "aborted"}]
+
+    # The resumed session's next requests carry the note (triage) and the tool result with it (the loop).
+    agent.main.inner.inner._respond = lambda r: ChatResponse(content=NEED_TOOLS if r.channel == "triage" else "Yes.")
+    agent.ask(loaded, "did the write happen?")
+    triage, loop = (request.messages for request in agent.main.inner.inner.requests[-2:])
+    assert triage[2]["content"] == note
+    assert list(loop[1:5]) == loaded.full[:4]
+
+
+def test_a_model_failure_before_any_tool_ran_stores_nothing(tmp_path):
+    def main(request):
+        if request.channel == "triage":
+            return ChatResponse(content=NEED_TOOLS)
+        raise ModelError("answered HTTP 503")
+
+    agent, session, _, _ = make_agent(tmp_path, main, sessions_dir=tmp_path / "sessions")
+    with pytest.raises(ModelError):
+        agent.ask(session, "q")
+    assert (session.full, session.compact, session.turns) == ([], [], [])
+    assert not (tmp_path / "sessions").exists()
+
+
+def test_router_never_runs_a_tool_whose_arguments_are_not_a_json_object(tmp_path):
+    router_calls = iter(
+        [
+            ToolCall(id="r1", name="city_weather", arguments={}, raw_arguments='{"text": "Paris", "x": tru'),
+            ToolCall(id="r2", name="city_weather", arguments={}, raw_arguments='"Paris"'),
+        ]
+    )
+    agent, _, _, _ = make_agent(
+        tmp_path, lambda r: ChatResponse(), lambda r: ChatResponse(tool_calls=(next(router_calls),))
+    )
+    for _ in range(2):
+        outcome = agent.router.route("weather report for a city")
+        assert outcome.status == "retry"
+        assert outcome.tool is None
+        assert "stdout" not in outcome.payload  # the tool never ran
+        assert "not a JSON object" in outcome.payload["reason"]
+
+
+def _main_with_replies(*loop_replies):
+    """Triage needs tools; the loop answers with ``loop_replies`` in order, then ``final`` on the fallback."""
+    replies = iter(loop_replies)
+
+    def main(request):
+        if request.channel == "triage":
+            return ChatResponse(content=NEED_TOOLS)
+        if request.channel == "fallback":
+            return ChatResponse(content="Nothing certain.")
+        return next(replies)
+
+    return main
+
+
+def test_a_cut_off_or_empty_reply_is_not_an_answer(tmp_path):
+    cut = ChatResponse(content="The capital of France is Pa", finish_reason="length")
+    agent, session, _, _ = make_agent(tmp_path, _main_with_replies(cut, ChatResponse(content="Paris.")))
+    answer = agent.ask(session, "capital of France?")
+    assert (answer.path, answer.text, answer.rounds) == ("tools", "Paris.", 2)
+    sent = agent.main.inner.inner.requests[-1].messages
+    assert sent[-2] == {"role": "assistant", "content": "The capital of France is Pa"}  # the model's own bytes
+    assert sent[-1]["role"] == "user"
+    assert sent[-1]["content"].startswith("[INCOMPLETE]")
+    assert "cut off" in sent[-1]["content"]
+
+    unanswered = (
+        ChatResponse(content="", finish_reason="content_filter"),
+        ChatResponse(content="", finish_reason="stop"),
+        ChatResponse(content=NEED_TOOLS),  # only a marker: nothing to show the user
+    )
+    for case, reply in enumerate(unanswered):
+        agent, session, _, _ = make_agent(
+            tmp_path / str(case), _main_with_replies(reply, ChatResponse(content="Done."))
+        )
+        answer = agent.ask(session, "q")
+        assert (answer.path, answer.text) == ("tools", "Done.")
+        assert _unanswered(session.full) == set()
+        assert all(m.get("content") or m.get("tool_calls") for m in session.full if m["role"] == "assistant")
+
+
+def test_a_model_that_never_answers_ends_in_the_honest_fallback(tmp_path):
+    cut = ChatResponse(content="Well, first of all", finish_reason="length")
+    agent, session, _, _ = make_agent(tmp_path, _main_with_replies(*[cut] * 10), round_limit=2, extended_round_limit=4)
+    answer = agent.ask(session, "q")
+    assert answer.path == "fallback"
+    assert answer.text == f"{UNCERTAIN} Nothing certain."
+    assert answer.rounds == 2  # each unanswered round costs two of the budget
+
+
+def test_triage_that_was_cut_off_goes_to_the_tool_loop(tmp_path):
+    triage = iter(
+        [
+            ChatResponse(content=f"4 {DIRECT_ANSWER} and furthermore the", finish_reason="length"),
+            ChatResponse(content=DIRECT_ANSWER),  # the marker and nothing else: no answer
+            ChatResponse(content=f"Flagged. {DIRECT_ANSWER}", finish_reason="content_filter"),
+        ]
+    )
+
+    def main(request):
+        if request.channel == "triage":
+            return next(triage)
+        return ChatResponse(content="from the loop")
+
+    agent, session, ledger, _ = make_agent(tmp_path, main)
+    for query in ("a", "b", "c"):
+        assert agent.ask(session, query).path == "tools"
+    assert [r.channel for r in ledger.records] == ["triage", "main"] * 3
+
+
+def test_the_last_triage_marker_decides(tmp_path):
+    triage = iter(
+        [
+            ChatResponse(content=f"<think>Do I need {NEED_TOOLS}? No, it is arithmetic.</think> 4 {DIRECT_ANSWER}"),
+            ChatResponse(content=f"<think>Could I say {DIRECT_ANSWER}? No, live data.</think> {NEED_TOOLS}"),
+        ]
+    )
+
+    def main(request):
+        if request.channel == "triage":
+            return next(triage)
+        return ChatResponse(content="from the loop")
+
+    agent, session, _, _ = make_agent(tmp_path, main)
+    assert agent.ask(session, "2+2?").path == "direct"
+    assert agent.ask(session, "weather now?").path == "tools"
 
 
 def test_skill_builder_refuses_taken_and_reserved_names_and_takes_any_description(tmp_path):

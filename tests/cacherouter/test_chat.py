@@ -2,6 +2,8 @@
 
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -12,7 +14,7 @@ from typing import Any
 import pytest
 from support import make_repo
 
-from cacherouter.chat import SCRIPTED_LABEL, build_chat, run_chat
+from cacherouter.chat import MAX_MESSAGE_CHARS, SCRIPTED_LABEL, build_chat, run_chat
 from cacherouter.errors import SessionError
 from cacherouter.gateway import Gateway, GatewayConfig
 from cacherouter.mainview import MainView
@@ -57,6 +59,8 @@ def test_scripted_chat_routes_reports_cache_and_resumes(tmp_path: Path) -> None:
 class _Provider(BaseHTTPRequestHandler):
     """A local OpenAI-compatible endpoint with DeepSeek usage fields; it plays main and router models."""
 
+    usage_after_tools = True  # False: the main model's answer after a tool result comes without usage
+
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         names = [t["function"]["name"] for t in body.get("tools", [])]
@@ -74,6 +78,8 @@ class _Provider(BaseHTTPRequestHandler):
                 {"id": "c1", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
             ]
         usage = {"prompt_tokens": 100, "prompt_cache_hit_tokens": 60, "prompt_cache_miss_tokens": 40}
+        if last["role"] == "tool" and not self.usage_after_tools:
+            usage = {}
         data = json.dumps({"model": body["model"], "choices": [{"message": message}], "usage": usage}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -85,10 +91,11 @@ class _Provider(BaseHTTPRequestHandler):
         pass
 
 
-def test_live_chat_reads_the_endpoint_from_env_and_reports_provider_usage(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Provider)
+def _live_chat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lines: list[str], handler: type[_Provider] = _Provider
+) -> str:
+    """Run ``lines`` through ``run_chat`` against ``handler`` on a local port; returns what the chat printed."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
@@ -101,11 +108,17 @@ def test_live_chat_reads_the_endpoint_from_env_and_reports_provider_usage(
             setup = build_chat(gateway, view=view, scripted=False, sessions_dir=None)
             session = setup.agent.new_session(view)
             out = io.StringIO()
-            run_chat(setup, session, ["price of ACME please\n", "/quit\n"], out)
+            run_chat(setup, session, lines, out)
     finally:
         httpd.shutdown()
         thread.join(timeout=10)
-    text = out.getvalue()
+    return out.getvalue()
+
+
+def test_live_chat_reads_the_endpoint_from_env_and_reports_provider_usage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = _live_chat(tmp_path, monkeypatch, ["price of ACME please\n", "/quit\n"])
     assert "SCRIPTED" not in text
     assert "stock_price:ACME" in text
     assert "router -> stock_price" in text
@@ -179,3 +192,73 @@ def test_resumed_session_keeps_its_own_core_tools(tmp_path: Path) -> None:
     # Resumed with other --packages: the session's view still decides what the router avoids.
     other = chat(*common, "--session", session_id, "--packages", "base", stdin="Weather report for a city text=Paris\n")
     assert "router -> city_weather" not in other
+
+
+class _NoUsageAfterTools(_Provider):
+    usage_after_tools = False
+
+
+def test_totals_say_how_many_requests_have_unknown_cost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = _live_chat(tmp_path, monkeypatch, ["price of ACME please\n"], _NoUsageAfterTools)
+    assert "provider-reported main     prompt unknown tok, cache hit unknown tok, input cost unknown" in text
+    assert "None" not in text
+    # triage, main, router at 42.0 each; the final main request's cost is unknown and is said so, not hidden.
+    assert "4 requests, token-level cache hit rate 60.00%" in text
+    assert "input cost 126.0 (+1 request of unknown cost)" in text
+
+
+def test_chat_refuses_a_message_over_the_limit_and_goes_on(tmp_path: Path) -> None:
+    root = make_repo(tmp_path / "repo")
+    with Gateway(GatewayConfig(root=root)) as gateway:
+        view = MainView.from_registry(gateway.registry, ("base",))
+        setup = build_chat(gateway, view=view, scripted=True, sessions_dir=None)
+        out = io.StringIO()
+        lines = ["x" * (MAX_MESSAGE_CHARS + 1) + "\n", "Weather report for a city text=Paris\n"]
+        run_chat(setup, setup.agent.new_session(view), lines, out)
+    text = out.getvalue()
+    assert f"error: the message has {MAX_MESSAGE_CHARS + 1:,} characters; the limit is {MAX_MESSAGE_CHARS:,}" in text
+    assert "city_weather:Paris" in text
+    assert setup.ledger.records[0].channel == "triage"
+    assert len([r for r in setup.ledger.records if r.channel == "triage"]) == 1  # the long message never went out
+
+
+def test_ctrl_c_during_a_turn_ends_the_chat_cleanly(tmp_path: Path) -> None:
+    arrived, release = threading.Event(), threading.Event()
+
+    class Slow(_Provider):
+        def do_POST(self) -> None:
+            arrived.set()
+            release.wait(60)  # a provider that takes its time: the user presses Ctrl-C meanwhile
+            super().do_POST()
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEROUTER_")}
+    env.update(
+        CACHEROUTER_MAIN_BASE_URL=f"http://127.0.0.1:{httpd.server_address[1]}/v1", CACHEROUTER_MAIN_MODEL="local"
+    )
+    root = make_repo(tmp_path / "repo")
+    sessions = tmp_path / "sessions"
+    command = [sys.executable, "-m", "cacherouter.cli", "chat", "--repo", str(root), "--packages", "base"]
+    command += ["--sessions-dir", str(sessions)]
+    proc = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write("price of ACME please\n")
+        proc.stdin.flush()
+        assert arrived.wait(60)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        release.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        httpd.shutdown()
+        thread.join(timeout=10)
+    assert "Traceback" not in err, err
+    assert "interrupted; the session is saved as of the last finished turn" in out
+    assert proc.returncode == 130

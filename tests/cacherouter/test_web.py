@@ -8,18 +8,27 @@ test's tmp dir (its path is printed).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from support import make_repo
+from support import make_repo, replies_since_query
 
-from cacherouter.chat import SCRIPTED_LABEL, build_chat
+from cacherouter.accounting import Ledger, RecordingModel
+from cacherouter.agent import Agent
+from cacherouter.cachemodel import DeepSeekCacheModel
+from cacherouter.chat import MAX_MESSAGE_CHARS, SCRIPTED_LABEL, ChatSetup, build_chat
 from cacherouter.gateway import Gateway, GatewayConfig
 from cacherouter.mainview import MainView
-from cacherouter.web import WebChat, create_app
+from cacherouter.models import ChatRequest, ChatResponse, ScriptedModel, SimulatedProvider, ToolCall
+from cacherouter.prompts import NEED_TOOLS
+from cacherouter.router import Router
+from cacherouter.web import MAX_BODY_BYTES, WebChat, create_app
 from tvcache.server.runner import AppThread
 
 from browser_support import chromium, missing_browser
@@ -148,3 +157,193 @@ def test_each_request_reports_its_relative_input_cost(server: AppThread) -> None
         miss = request["prompt_tokens"] - request["cached_tokens"]
         assert request["cost"] == pytest.approx(miss + request["cached_tokens"] / 30)
     assert state["totals"]["cost"] == pytest.approx(sum(r["cost"] for r in requests))
+
+
+Respond = Callable[[ChatRequest], ChatResponse]
+
+
+@contextlib.contextmanager
+def scripted_web(tmp_path: Path, main: Respond, *, simulated: bool = True) -> Iterator[AppThread]:
+    """The web app over HTTP with a scripted main model of the test's own (the router model calls no tool).
+
+    ``simulated``: usage from the offline DeepSeek cache model; otherwise the usage the main model returns."""
+    root = make_repo(tmp_path / "repo")
+    ledger = Ledger()
+    cache = DeepSeekCacheModel()
+    main_model: Any = ScriptedModel(main)
+    if simulated:
+        main_model = SimulatedProvider(main_model, cache)
+    router_model = SimulatedProvider(ScriptedModel(lambda r: ChatResponse(content="none fits")), cache)
+    with Gateway(GatewayConfig(root=root)) as gateway:
+        view = MainView.from_registry(gateway.registry, ("base",))
+        router = Router(
+            gateway, RecordingModel(router_model, ledger, provider="deepseek"), core_tools=frozenset(view.core_tools)
+        )
+        agent = Agent(
+            gateway=gateway, main_model=RecordingModel(main_model, ledger, provider="deepseek"), router=router
+        )
+        web = WebChat(ChatSetup(agent=agent, ledger=ledger, scripted=True), agent.new_session(view))
+        with AppThread(create_app(web)) as thread:
+            yield thread
+
+
+def test_the_page_and_state_answer_while_a_turn_runs(tmp_path: Path) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def main(request: ChatRequest) -> ChatResponse:
+        entered.set()
+        release.wait(30)  # a slow provider, until the test has looked at the page
+        return ChatResponse(content="Four. [STATUS: DIRECT_ANSWER]")
+
+    with scripted_web(tmp_path, main) as server, httpx.Client(base_url=server.url, timeout=5) as http:
+        turn: dict[str, Any] = {}
+        poster = threading.Thread(
+            target=lambda: turn.update(http.post("/api/chat", json={"message": "2+2?"}, timeout=30).json())
+        )
+        poster.start()
+        try:
+            assert entered.wait(10)
+            state = http.get("/api/state").json()  # before the fix: waited for the turn (ReadTimeout here)
+            assert [(t["query"], t["pending"], t["answer"]) for t in state["turns"]] == [("2+2?", True, None)]
+            assert http.get("/").status_code == 200
+            assert http.get("/static/web.js").status_code == 200
+        finally:
+            release.set()
+            poster.join(30)
+        assert turn["turn"]["answer"] == "Four."
+        assert [(t["pending"], t["answer"]) for t in http.get("/api/state").json()["turns"]] == [(False, "Four.")]
+
+
+def test_turns_on_one_session_stay_serialised(tmp_path: Path) -> None:
+    active = 0
+    overlapped = False
+    lock = threading.Lock()
+
+    def main(request: ChatRequest) -> ChatResponse:
+        nonlocal active, overlapped
+        with lock:
+            active += 1
+            overlapped |= active > 1
+        threading.Event().wait(0.2)  # hold the turn open long enough for the other to try to start
+        with lock:
+            active -= 1
+        return ChatResponse(content="ok [STATUS: DIRECT_ANSWER]")
+
+    with scripted_web(tmp_path, main) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        threads = [
+            threading.Thread(target=http.post, args=("/api/chat",), kwargs={"json": {"message": f"q{i}"}})
+            for i in range(2)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        state = http.get("/api/state").json()
+    assert not overlapped
+    assert sorted(t["query"] for t in state["turns"]) == ["q0", "q1"]
+    assert [t["index"] for t in state["turns"]] == [0, 1]
+
+
+def test_an_unexpected_error_is_an_error_turn_not_a_500(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    def main(request: ChatRequest) -> ChatResponse:
+        if request.channel == "triage":
+            return ChatResponse(content=NEED_TOOLS)
+        if replies_since_query(request.messages) == 0:
+            return ChatResponse(tool_calls=(ToolCall(id="a", name="echo_text", arguments={"text": "ran"}),))
+        raise KeyError("choices")  # a bug or an answer nobody expected, not a CacheRouterError
+
+    with (
+        caplog.at_level(logging.ERROR, logger="cacherouter.web"),
+        scripted_web(tmp_path, main) as server,
+        httpx.Client(base_url=server.url, timeout=30) as http,
+    ):
+        response = http.post("/api/chat", json={"message": "echo it"})
+        state = http.get("/api/state").json()
+    assert response.status_code == 200
+    assert "Traceback" not in response.text
+    turn = response.json()["turn"]
+    assert turn["path"] == "error"
+    assert "KeyError" in turn["error"]
+    assert "server log" in turn["error"]
+    assert [(c["name"], "echo_text:ran" in c["result"]) for c in turn["calls"]] == [("echo_text", True)]
+    assert [t["path"] for t in state["turns"]] == ["error"]
+    assert any(record.exc_info for record in caplog.records)  # the traceback stays on the server
+
+
+def test_calls_pair_with_their_own_results_when_ids_repeat(tmp_path: Path) -> None:
+    """Providers that omit tool-call ids give every round the same ids."""
+
+    def main(request: ChatRequest) -> ChatResponse:
+        if request.channel == "triage":
+            return ChatResponse(content=NEED_TOOLS)
+        done = replies_since_query(request.messages)
+        if done < 2:
+            return ChatResponse(tool_calls=(ToolCall(id="call_0", name="echo_text", arguments={"text": f"r{done}"}),))
+        return ChatResponse(content="done")
+
+    with scripted_web(tmp_path, main) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        turn = http.post("/api/chat", json={"message": "echo twice"}).json()["turn"]
+    calls = turn["calls"]
+    assert [c["arguments"]["text"] for c in calls] == ["r0", "r1"]
+    assert "echo_text:r0" in calls[0]["result"]  # before: both showed the last round's result
+    assert "echo_text:r1" in calls[1]["result"]
+
+
+def test_web_accepts_what_chat_accepts_and_says_the_limit(tmp_path: Path) -> None:
+    def main(request: ChatRequest) -> ChatResponse:
+        return ChatResponse(content="long read. [STATUS: DIRECT_ANSWER]")
+
+    with scripted_web(tmp_path, main) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.post("/api/chat", json={"message": "y" * 10_000}).status_code == 200
+        refused = http.post("/api/chat", json={"message": "y" * (MAX_MESSAGE_CHARS + 1)})
+        assert refused.status_code == 400
+        assert f"{MAX_MESSAGE_CHARS:,}" in refused.json()["error"]
+        assert len(http.get("/api/state").json()["turns"]) == 1
+        assert f'maxlength="{MAX_MESSAGE_CHARS}"' in http.get("/").text  # the page's own limit is the same
+        huge = http.post("/api/chat", content=b"x" * (MAX_BODY_BYTES + 1), headers={"Content-Type": "application/json"})
+        assert huge.status_code == 413  # read and dropped, never buffered or parsed
+        assert f"{MAX_MESSAGE_CHARS:,} characters" in huge.json()["error"]
+
+
+def test_totals_count_requests_of_unknown_cost(tmp_path: Path) -> None:
+    known = {"prompt_tokens": 100, "prompt_cache_hit_tokens": 60, "prompt_cache_miss_tokens": 40}
+
+    def main(request: ChatRequest) -> ChatResponse:
+        if request.channel == "triage":
+            return ChatResponse(content=NEED_TOOLS, usage=known)
+        return ChatResponse(content="done", usage={})  # the provider sent no usage
+
+    with scripted_web(tmp_path, main, simulated=False) as server, httpx.Client(base_url=server.url) as http:
+        state = http.post("/api/chat", json={"message": "q"}).json()["state"]
+    assert [r["cost"] for r in state["turns"][0]["requests"]] == [pytest.approx(42.0), None]
+    totals = state["totals"]
+    assert (totals["requests"], totals["cost"], totals["unknown_cost_requests"]) == (2, pytest.approx(42.0), 1)
+
+
+@needs_browser
+def test_the_page_shows_a_running_turn_and_then_its_answer(tmp_path: Path, browser: Any) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def main(request: ChatRequest) -> ChatResponse:
+        entered.set()
+        release.wait(30)
+        return ChatResponse(content="Four. [STATUS: DIRECT_ANSWER]")
+
+    wait = WebDriverWait(browser, 30, poll_frequency=0.05)
+    with scripted_web(tmp_path, main) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        poster = threading.Thread(target=http.post, args=("/api/chat",), kwargs={"json": {"message": "2+2?"}})
+        poster.start()  # another tab's turn
+        try:
+            assert entered.wait(10)
+            browser.get(f"{server.url}/")
+            pending = '#transcript li[data-turn="0"] .pending .text'
+            assert wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, pending))[0].text.startswith("working")
+            assert browser.find_element(By.TAG_NAME, "body").get_attribute("data-turns") == "0"
+        finally:
+            release.set()
+            poster.join(30)
+        # The page keeps fetching the state while a turn runs, so the answer replaces the pending line.
+        wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-turns") == "1")
+        assert browser.find_element(By.CSS_SELECTOR, '#transcript li[data-turn="0"] .msg.agent .text').text == "Four."
+        assert browser.find_elements(By.CSS_SELECTOR, "#transcript .pending") == []
+    assert [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"] == []

@@ -3,6 +3,10 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
+// While a turn runs (this tab's or another's), the state is fetched again every second to show its progress.
+let refresh = null;
+// Bumped by each chat reply: a state fetched before the reply arrived is older than the reply's, and is dropped.
+let generation = 0;
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -29,7 +33,9 @@ function renderCall(call) {
   if (call.ok === false) classes.push("failed");
   const head = el("div", {}, el("span", { class: "call-name" }, call.name));
   if (call.router) head.append(" \u2192 ", el("span", { class: "call-routed" }, call.routed_to || "no tool"));
-  head.append(" ", el("span", { class: "meta call-status" }, call.ok === false ? "failed" : "ok"));
+  // ok is null for the calls of a turn that failed midway: they ran, their outcome is in the result.
+  const status = call.ok === false ? "failed" : call.ok === null ? "ran" : "ok";
+  head.append(" ", el("span", { class: "meta call-status" }, status));
   const args = typeof call.arguments === "string" ? call.arguments : JSON.stringify(call.arguments);
   return el(
     "div",
@@ -44,7 +50,10 @@ function renderTurn(turn) {
   const item = el("li", { "data-turn": turn.index });
   item.append(el("div", { class: "msg user" }, el("span", { class: "who" }, "you"), el("span", { class: "text" }, turn.query)));
   for (const call of turn.calls) item.append(renderCall(call));
-  if (turn.error !== null) {
+  if (turn.pending) {
+    const progress = "working\u2026 " + turn.requests.length + " model request(s) so far";
+    item.append(el("div", { class: "msg pending" }, el("span", { class: "who" }, "agent"), el("span", { class: "text" }, progress)));
+  } else if (turn.error !== null) {
     item.append(el("div", { class: "msg error" }, el("span", { class: "who" }, "error"), el("span", { class: "text" }, turn.error)));
   } else {
     item.append(el("div", { class: "msg agent" }, el("span", { class: "who" }, "agent"), el("span", { class: "text" }, turn.answer)));
@@ -87,14 +96,25 @@ function render(state) {
   $("totals").querySelector("[data-field=cached]").textContent = totals.cached_tokens;
   $("totals").querySelector("[data-field=hit]").textContent =
     totals.hit_rate === null ? "" : (100 * totals.hit_rate).toFixed(1) + "%";
-  $("totals").querySelector("[data-field=cost]").textContent = cost(totals.cost);
-  document.body.dataset.turns = String(state.turns.length);
+  const unknown = totals.unknown_cost_requests;
+  $("totals").querySelector("[data-field=cost]").textContent =
+    cost(totals.cost) + (unknown && totals.cost !== null ? " (+" + unknown + " unknown)" : "");
+  $("message").maxLength = state.max_message_chars;
+  document.body.dataset.turns = String(state.turns.filter((turn) => !turn.pending).length);
+  scheduleRefresh(state.turns.some((turn) => turn.pending));
+}
+
+function scheduleRefresh(running) {
+  clearTimeout(refresh);
+  refresh = running || document.body.dataset.busy ? setTimeout(() => load().catch(() => {}), 1000) : null;
 }
 
 async function load() {
+  const started = generation;
   const response = await fetch("/api/state", { cache: "no-store" });
   if (!response.ok) throw new Error("GET /api/state: HTTP " + response.status);
-  render(await response.json());
+  const state = await response.json();
+  if (started === generation) render(state);
 }
 
 async function send(event) {
@@ -104,6 +124,7 @@ async function send(event) {
   if (!message) return;
   $("send").disabled = true;
   document.body.dataset.busy = "1";
+  scheduleRefresh(true);
   try {
     const response = await fetch("/api/chat", {
       method: "POST",
@@ -114,6 +135,7 @@ async function send(event) {
     if (!response.ok) throw new Error(body.error || "HTTP " + response.status);
     input.value = "";
     showError("");
+    generation += 1;
     render(body.state);
   } catch (error) {
     showError(String(error.message || error));
