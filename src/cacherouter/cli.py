@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from .gateway import Gateway
 
 DEFAULT_PACKAGES = ("base", "geography", "internet")
+EVAL_WORKLOADS = ("suite", "dialogue", "longtail", "dialogue-211")
 ENV_HELP = f"""\
 models (ignored with --scripted): OpenAI-compatible endpoints from environment variables
   {MAIN_PREFIX}_BASE_URL   e.g. https://api.deepseek.com (required)
@@ -101,11 +103,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .evaluation.runner import ARCHITECTURES, results_json, run_all
     from .tokens import default_tokenizer
 
+    json_path = _output_path(args.json, "--json") if args.json else None  # before the run, not after it
     # The suite breaks a tool script on purpose; the gateway's warning about it is expected here, not news.
     logging.getLogger("cacherouter.gateway").setLevel(logging.ERROR)
     tokenizer = default_tokenizer()
     ranker = make_ranker(RouterConfig().ranker).name  # what the router's "auto" default resolves to here
-    results = run_all(architectures=args.architectures or ARCHITECTURES, workloads=args.workloads, tokenizer=tokenizer)
+    results = run_all(
+        architectures=args.architectures or ARCHITECTURES,
+        workloads=args.workloads or EVAL_WORKLOADS,
+        tokenizer=tokenizer,
+    )
     print("Offline evaluation: SCRIPTED models (no LLM API reachable), offline DeepSeek prefix-cache model,")
     print(f"hit tokens priced at 1/30 of miss tokens; tokenizer: {tokenizer.name}; router relevance: {ranker}.")
     header = (
@@ -124,9 +131,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     for r in results:
         parts = ", ".join(f"{source} {tokens:,}" for source, tokens in r.misses.items())
         print(f"{r.workload:<12} {r.architecture:<12} {sum(r.misses.values()):>8,}  = {parts}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results_json(results, tokenizer.name, ranker=ranker), indent=2) + "\n")
-        print(f"figures written to {args.json}")
+    if json_path is not None:
+        _write_output(json_path, "--json", json.dumps(results_json(results, tokenizer.name, ranker=ranker), indent=2))
     return 0
 
 
@@ -138,6 +144,17 @@ def _cmd_eval_relevance(args: argparse.Namespace) -> int:
     from .evaluation.runner import EVAL_REPO
     from .evaluation.suite import CORE_PACKAGES
 
+    # Options of the full evaluation given before "relevance" would be ignored silently: refuse them instead.
+    misplaced = [
+        f"--{option}" for option in ("json", "workloads", "architectures") if getattr(args, option) is not None
+    ]
+    if misplaced:
+        raise ConfigError(
+            f"{' and '.join(misplaced)} given before 'relevance' would be ignored: they belong to the full "
+            "evaluation. Give the options of 'eval relevance' after the word, e.g. cacherouter eval relevance "
+            "--json PATH"
+        )
+    json_path = _output_path(args.relevance_json, "--json") if args.relevance_json else None
     queries = load_queries(Path(args.queries) if args.queries else QUERIES_FILE)
     with tempfile.TemporaryDirectory(prefix="cacherouter-relevance-") as tmp:
         registry = build_registry(generate_repository(EVAL_REPO, Path(tmp) / "repo"))
@@ -146,10 +163,30 @@ def _cmd_eval_relevance(args: argparse.Namespace) -> int:
         comparison = compare_relevance(queries, registry, core_tools=core_tools, rankers=rankers, k=args.top_k)
     for line in format_comparison(comparison):
         print(line)
-    if args.relevance_json:
-        Path(args.relevance_json).write_text(json.dumps(comparison.to_json(), indent=2) + "\n")
-        print(f"figures written to {args.relevance_json}")
+    if json_path is not None:
+        _write_output(json_path, "--json", json.dumps(comparison.to_json(), indent=2))
     return 0
+
+
+def _output_path(text: str, option: str) -> Path:
+    """Check an output file's path before a long run, so a typo never costs the run's figures."""
+    path = Path(text)
+    if path.is_dir():
+        raise ConfigError(f"{option} {text}: is a directory; give a file path")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise ConfigError(f"{option} {text}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{option} {text}: not writable")
+    return path
+
+
+def _write_output(path: Path, option: str, text: str) -> None:
+    try:
+        path.write_text(text + "\n")
+    except OSError as e:
+        raise ConfigError(f"{option} {path}: cannot write the figures ({e.strerror or e})") from e
+    print(f"figures written to {path}")
 
 
 def _cmd_serve_mcp(args: argparse.Namespace) -> int:
@@ -275,6 +312,28 @@ def _default_repo() -> Path:
     return EVAL_REPO
 
 
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds more than 0 (0 would make a poll loop spin, a timeout fire at once)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < math.inf:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds more than 0, got {text}")
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
 def _add_agent_options(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``chat`` and ``web``: repository, main view, models, router filters."""
     parser.add_argument("--repo", help="tool repository (default: the bundled evaluation repository)")
@@ -288,7 +347,10 @@ def _add_agent_options(parser: argparse.ArgumentParser) -> None:
         "--scripted", action="store_true", help="rule-based stand-in models and an offline cache model (no network)"
     )
     parser.add_argument(
-        "--poll-interval", type=float, default=1.0, help="seconds between repository polls (default: %(default)s)"
+        "--poll-interval",
+        type=_positive_seconds,
+        default=1.0,
+        help="seconds between repository polls (default: %(default)s)",
     )
     parser.add_argument(
         "--ranker",
@@ -336,8 +398,15 @@ def build_parser() -> argparse.ArgumentParser:
     listing.set_defaults(func=_cmd_list)
     serve = sub.add_parser("serve-mcp", help="serve a tool repository over MCP (stdio), hot-reloading it")
     serve.add_argument("--repo", required=True, help="repository root (package/skill/script)")
-    serve.add_argument("--poll-interval", type=float, default=1.0, help="seconds between repository polls")
-    serve.add_argument("--tool-timeout", type=float, default=60.0, help="seconds before a tool run is killed")
+    serve.add_argument(
+        "--poll-interval", type=_positive_seconds, default=1.0, help="seconds between repository polls (default: 1)"
+    )
+    serve.add_argument(
+        "--tool-timeout",
+        type=_positive_seconds,
+        default=60.0,
+        help="seconds before a tool run is killed (default: 60)",
+    )
     serve.add_argument("--allow-reflection", action="store_true", help="allow reflection fallback")
     serve.set_defaults(func=_cmd_serve_mcp)
     chat = sub.add_parser(
@@ -381,11 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     evaluate.add_argument(
-        "--workloads",
-        nargs="+",
-        choices=["suite", "dialogue", "longtail", "dialogue-211"],
-        default=["suite", "dialogue", "longtail", "dialogue-211"],
-        help="which workloads to run (default: all)",
+        "--workloads", nargs="+", choices=EVAL_WORKLOADS, help="which workloads to run (default: all)"
     )
     evaluate.add_argument("--architectures", nargs="+", choices=["cacherouter", "all-tools", "dynamic"])
     evaluate.set_defaults(func=_cmd_eval)
@@ -396,7 +461,12 @@ def build_parser() -> argparse.ArgumentParser:
     relevance.add_argument("--json", dest="relevance_json", metavar="PATH", help="also write the figures as JSON")
     relevance.add_argument("--queries", metavar="PATH", help="a JSONL query set (default: the bundled one)")
     relevance.add_argument("--rankers", nargs="+", choices=SCORERS, default=list(SCORERS), help="scorers to compare")
-    relevance.add_argument("--top-k", type=int, default=RouterConfig().top_k, help="the router's top-k")
+    relevance.add_argument(
+        "--top-k",
+        type=_at_least_one,
+        default=RouterConfig().top_k,
+        help="the router's top-k, at least 1 (default: %(default)s)",
+    )
     relevance.set_defaults(func=_cmd_eval_relevance)
     return parser
 
@@ -408,6 +478,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CacheRouterError as e:
         print(f"cacherouter: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("cacherouter: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
     return code
 
 

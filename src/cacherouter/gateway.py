@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ArgumentError, CacheRouterError
-from .executor import ToolResult, build_argv, run_script, tool_environment
+from .executor import Cancellation, ToolResult, build_argv, run_script, tool_environment
 from .registry import Limits, Registry, build_registry, repository_snapshot, write_package_indices
 
 
@@ -142,12 +142,24 @@ class Gateway:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def call(self, name: str, arguments: Mapping[str, Any], *, timeout: float | None = None) -> ToolResult:
-        """Run tool ``name`` with ``arguments`` (a JSON object). Unknown tools and bad arguments raise."""
+    def call(
+        self,
+        name: str,
+        arguments: Mapping[str, Any],
+        *,
+        timeout: float | None = None,
+        cancel: Cancellation | None = None,
+    ) -> ToolResult:
+        """Run tool ``name`` with ``arguments`` (a JSON object). Unknown tools and bad arguments raise.
+
+        ``cancel.cancel()``, from any thread, stops the run (see :class:`~cacherouter.executor.Cancellation`).
+        """
         spec = self._registry.get(name)
         if spec is None:
             raise ArgumentError(f"no tool named {name!r} is registered")
         argv = build_argv(spec.schema, arguments)
         # Tools that manage the repository (the skill builder) find it through this variable.
         env = tool_environment(CACHEROUTER_REPO=str(self.config.root))
-        return run_script(spec.script, argv, tool=name, timeout=timeout or self.config.tool_timeout, env=env)
+        return run_script(
+            spec.script, argv, tool=name, timeout=timeout or self.config.tool_timeout, env=env, cancel=cancel
+        )

@@ -8,8 +8,15 @@ once; after each swap the server tells clients, in both protocol eras the SDK se
 * 2026-07-28 clients: a ``ToolsListChanged`` event on every open ``subscriptions/listen`` stream;
 * handshake-era clients: ``notifications/tools/list_changed`` on each session seen so far.
 
-The gateway's poller calls its listeners from its own thread; the notification is handed to the server's event
-loop with ``run_coroutine_threadsafe``, never sent from the poller thread.
+A swap whose listing is byte for byte the one last announced (a SKILL.md body edit, a broken script still served
+by its last good schema, a ``.py`` file that is no tool) is not announced. The gateway's poller calls its
+listeners from its own thread; the notification is handed to the server's event loop with
+``run_coroutine_threadsafe``, never sent from the poller thread.
+
+Tool calls run in worker threads under their own limit (``max_concurrent_calls``, 16 by default; more calls
+wait), apart from the threads the stdio transport needs, so the protocol keeps answering however many calls are
+in flight. A tool never outlives its call: a call the client cancels, the client hanging up (end of stdin) and
+the server stopping (SIGINT, SIGTERM, normal exit) each kill the process groups of the tools involved.
 
 Requires the ``mcp`` SDK (``pip install 'tvcache[mcp]'``).
 """
@@ -18,12 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import os
+import signal
+import threading
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from .errors import ArgumentError, CacheRouterError, ConfigError
+from .executor import Cancellation, kill_running
 from .gateway import Gateway
 from .registry import Registry
 
@@ -44,16 +56,25 @@ __all__ = ["GatewayMCPServer", "serve_stdio"]
 
 logger = logging.getLogger(__name__)
 SERVER_NAME = "cacherouter-gateway"
+DEFAULT_MAX_CONCURRENT_CALLS = 16
 
 
 class GatewayMCPServer:
     """An MCP server (``self.server``) over a :class:`~cacherouter.gateway.Gateway`.
 
-    One instance serves any number of connections; ``notify_changed`` reaches all of them.
+    One instance serves any number of connections; ``notify_changed`` reaches all of them. At most
+    ``max_concurrent_calls`` tools run at once, across connections.
     """
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, *, max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS) -> None:
+        if max_concurrent_calls < 1:
+            raise ConfigError(f"max_concurrent_calls must be at least 1, got {max_concurrent_calls}")
         self.gateway = gateway
+        # Not anyio's default limiter (40 threads), which the stdio transport's reads and writes also need:
+        # calls holding all of it would leave no thread to read the next request or write a reply.
+        self._call_limiter = anyio.CapacityLimiter(max_concurrent_calls)
+        self._listed_lock = threading.Lock()
+        self._listed = self.listing(gateway.registry)  # the listing clients last saw or were told about
         self.bus = InMemorySubscriptionBus()
         # Handshake-era connections can only be reached through a request that came in on them.
         self._legacy_connections: weakref.WeakSet[Connection] = weakref.WeakSet()
@@ -93,6 +114,12 @@ class GatewayMCPServer:
             for spec in registry
         ]
 
+    @classmethod
+    def listing(cls, registry: Registry) -> str:
+        """The JSON of the ``tools/list`` result for ``registry``, as the transport writes it."""
+        result = types.ListToolsResult(tools=cls.tools(registry))
+        return result.model_dump_json(by_alias=True, exclude_unset=True)
+
     async def _list_tools(
         self, ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
@@ -106,24 +133,40 @@ class GatewayMCPServer:
         if self.gateway.registry.get(params.name) is None:
             raise MCPError(types.INVALID_PARAMS, f"Unknown tool: {params.name}; list the tools to see what is served")
         arguments = dict(params.arguments or {})
+        cancel = Cancellation()
+        call = functools.partial(self.gateway.call, params.name, arguments, cancel=cancel)
         try:
-            result = await anyio.to_thread.run_sync(self.gateway.call, params.name, arguments)
+            # A thread cannot be interrupted, but its tool can: on cancellation (the client's, or the connection
+            # closing) stop waiting and kill the tool, which lets the abandoned thread return within moments.
+            result = await anyio.to_thread.run_sync(call, abandon_on_cancel=True, limiter=self._call_limiter)
+        except anyio.get_cancelled_exc_class():
+            cancel.cancel()
+            raise
         except ArgumentError as e:  # the model's arguments do not fit: a result it can correct, not a crash
             return _error_result(f"invalid arguments for {params.name}: {e}")
         except CacheRouterError as e:
             return _error_result(f"{params.name} could not be run: {e}")
         payload = result.to_json()
-        text = (
-            result.stdout if result.ok else payload.get("error", "") + ("\n" + result.stdout if result.stdout else "")
-        )
+        stdout = payload.pop("stdout")  # with the truncation marker, if any
+        text = stdout if result.ok else payload.get("error", "") + ("\n" + stdout if stdout else "")
         return types.CallToolResult(
             content=[types.TextContent(type="text", text=text)],
+            # Status, exit code and flags, and stderr (the text shows its last line at most); not stdout, which
+            # the text content already carries: clients that pass both to the model would pay for it twice.
             structured_content=payload,
             is_error=not result.ok,
         )
 
     def _on_swap(self, registry: Registry) -> None:
-        """Gateway listener (runs on the poller's thread): schedule the notification on the server's loop."""
+        """Gateway listener (runs on the poller's thread): schedule the notification on the server's loop.
+
+        Only when the listing differs from the last one announced: many swaps change nothing a client sees.
+        """
+        listing = self.listing(registry)
+        with self._listed_lock:
+            if listing == self._listed:
+                return
+            self._listed = listing
         loop = self._loop
         if loop is None or loop.is_closed():
             return  # not serving yet: the first tools/list will show the new registry anyway
@@ -145,12 +188,48 @@ def _error_result(message: str) -> types.CallToolResult:
     return types.CallToolResult(content=[types.TextContent(type="text", text=message)], is_error=True)
 
 
-async def serve_stdio(gateway: Gateway) -> None:
-    """Serve ``gateway`` on stdin/stdout until the client disconnects; the gateway polls in the background."""
-    mcp_server = GatewayMCPServer(gateway)
+async def serve_stdio(gateway: Gateway, *, max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS) -> None:
+    """Serve ``gateway`` on stdin/stdout until the client disconnects; the gateway polls in the background.
+
+    When it returns, no tool this process started is left running. SIGINT and SIGTERM kill the running tools
+    and then the process (:func:`_exit_on_signals`).
+    """
+    mcp_server = GatewayMCPServer(gateway, max_concurrent_calls=max_concurrent_calls)
     gateway.start()
     try:
-        async with stdio_server() as (read_stream, write_stream):
-            await mcp_server.server.run(read_stream, write_stream, mcp_server.initialization_options())
+        with _exit_on_signals():
+            async with stdio_server() as (read_stream, write_stream):
+                await mcp_server.server.run(read_stream, write_stream, mcp_server.initialization_options())
     finally:
+        kill_running()  # whatever ended the serving, no tool outlives it
         gateway.close()
+
+
+@contextlib.contextmanager
+def _exit_on_signals() -> Iterator[None]:
+    """On SIGINT or SIGTERM, kill every running tool's process group, then let the signal end the process.
+
+    Ending the process rather than unwinding the server: the SDK's stdio transport reads stdin in a worker thread
+    that cancellation does not reach, so a server asked to stop while its client holds stdin open would hang
+    until the client writes or hangs up. Only the main thread can handle signals; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for signum in signals:
+        loop.add_signal_handler(signum, _exit_by_signal, signum)
+    try:
+        yield
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+
+
+def _exit_by_signal(signum: int) -> None:
+    # Runs on the event loop (asyncio's signal handling), not in a signal handler: kill_running may take a lock.
+    stopped = kill_running()
+    logger.warning("%s: killed %d running tool(s); exiting", signal.Signals(signum).name, stopped)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # die of the signal, as the sender expects

@@ -13,11 +13,13 @@ A :class:`Registry` is a value: once built it never changes, so a reader holding
 tools while the gateway builds and swaps in the next. A script that cannot be registered is left out and listed
 in :attr:`Registry.problems`; it never stops the others from registering. A script that was registered before
 and is now broken keeps its last good entry (and is listed as a problem too), so an edit that breaks a tool
-never makes it vanish from under a session that already advertised it; deleting the script removes it.
+never makes it vanish from under a session that already advertised it; deleting the script removes it. For the
+same reason a tool name stays with its script: a new script with a taken name is a problem, wherever it sits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -116,10 +118,15 @@ class Registry:
         return tuple(spec for spec in self if spec.package in wanted)
 
 
+def is_segment(name: str) -> bool:
+    """Whether ``name`` is a package or skill directory name the registry scans (one path segment, no dot-dir)."""
+    return _SEGMENT.fullmatch(name) is not None
+
+
 def iter_scripts(root: Path) -> Iterator[tuple[str, str, Path]]:
     """Yield (package, skill, script) for every candidate script under ``root``, in a stable order."""
-    for package_dir in sorted(p for p in root.iterdir() if p.is_dir() and _SEGMENT.match(p.name)):
-        for skill_dir in sorted(p for p in package_dir.iterdir() if p.is_dir() and _SEGMENT.match(p.name)):
+    for package_dir in sorted(p for p in root.iterdir() if p.is_dir() and is_segment(p.name)):
+        for skill_dir in sorted(p for p in package_dir.iterdir() if p.is_dir() and is_segment(p.name)):
             candidates = list(skill_dir.glob("*.py")) + list((skill_dir / "scripts").glob("*.py"))
             for script in sorted(candidates):
                 if not script.name.startswith("_"):
@@ -162,8 +169,19 @@ def read_skill_file(skill_dir: Path) -> tuple[dict[str, str], str]:
             for line in head.splitlines():
                 key, colon, value = line.partition(":")
                 if colon and key.strip():
-                    meta[key.strip().lower()] = value.strip().strip("\"'")
+                    meta[key.strip().lower()] = _front_matter_value(value.strip())
     return meta, body.strip()
+
+
+def _front_matter_value(text: str) -> str:
+    """A front matter value: a double-quoted one is a JSON (and YAML) string, as the skill builder writes it;
+    otherwise the text without the quotes around it."""
+    if len(text) >= 2 and text[0] == text[-1] == '"':
+        with contextlib.suppress(ValueError):
+            value = json.loads(text)
+            if isinstance(value, str):
+                return value
+    return text.strip("\"'")
 
 
 def build_registry(
@@ -186,10 +204,12 @@ def build_registry(
     name_re = re.compile(limits.name_pattern)
     reuse = {spec.digest: spec for spec in previous} if previous is not None else {}
     last_good = previous.tools if previous is not None else {}
+    scripts = list(iter_scripts(root))
+    holders = _previous_holders(last_good, {script for _, _, script in scripts})
     tools: dict[str, ToolSpec] = {}
     problems: list[Problem] = []
     skill_cache: dict[Path, tuple[dict[str, str], str]] = {}
-    for package, skill, script in iter_scripts(root):
+    for package, skill, script in scripts:
         rel = str(script.relative_to(root))
         name = script.stem
         if len(name) > limits.max_name_length or not name_re.match(name):
@@ -204,6 +224,16 @@ def build_registry(
         if name in RESERVED_NAMES:
             problems.append(
                 Problem(path=rel, message=f"tool name {name!r} is reserved for the router; rename the script")
+            )
+            continue
+        holder = holders.get(name)
+        if holder is not None and holder != script:
+            problems.append(
+                Problem(
+                    path=rel,
+                    message=f"tool name {name!r} is already taken by {holder.relative_to(root)}, which held it "
+                    "before; rename this script",
+                )
             )
             continue
         if name in tools:
@@ -260,6 +290,16 @@ def build_registry(
         )
     generation = previous.generation + 1 if previous is not None else 1
     return Registry(tools=MappingProxyType(tools), problems=tuple(problems), generation=generation)
+
+
+def _previous_holders(last_good: Mapping[str, ToolSpec], present: set[Path]) -> dict[str, Path]:
+    """Tool name -> the script that held it in the previous registry and is still there.
+
+    On a name clash the holder keeps the name and the newcomer is the problem: a script added anywhere in the
+    repository must never take over a tool that sessions already advertise and call. Without a previous holder,
+    the first script in scan order that registers gets the name.
+    """
+    return {name: spec.script for name, spec in last_good.items() if spec.script in present}
 
 
 def script_schema(

@@ -1,4 +1,7 @@
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -8,8 +11,9 @@ from cacherouter.accounting import Ledger, RecordingModel
 from cacherouter.cachemodel import AnthropicCacheModel, DeepSeekCacheModel, OpenAICacheModel
 from cacherouter.endpoint import EndpointConfig, OpenAICompatibleModel, parse_completion
 from cacherouter.errors import ConfigError
-from cacherouter.evaluation.runner import run_workload
+from cacherouter.evaluation.runner import EVAL_REPO, run_workload
 from cacherouter.evaluation.suite import DIALOGUE, SUITE
+from cacherouter.gateway import Gateway, GatewayConfig
 from cacherouter.models import ChatRequest
 from cacherouter.tokens import ApproximateTokenizer, default_tokenizer
 from cacherouter.usage import parse_usage
@@ -116,6 +120,105 @@ def test_eval_command_writes_json(tmp_path):
     for run in data["runs"]:  # the breakdown accounts for every miss token, no more
         assert sum(run["miss_tokens_by_source"].values()) == run["prompt_tokens"] - run["cached_tokens"]
     assert "Where the miss tokens go" in proc.stdout
+
+
+def _cacherouter(*args, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "cacherouter.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.parametrize("command", [("eval", "--workloads", "dialogue"), ("eval", "relevance", "--rankers", "bm25")])
+@pytest.mark.parametrize("where", ["a directory", "a missing directory"])
+def test_eval_refuses_an_unwritable_json_path_before_the_run(tmp_path, command, where):
+    path = tmp_path if where == "a directory" else tmp_path / "missing" / "figures.json"
+    proc = _cacherouter(*command, "--json", str(path))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"cacherouter: --json {path}: ")
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""  # refused before the run, not after it
+
+
+@pytest.mark.parametrize("command", [("eval", "--workloads", "dialogue"), ("eval", "relevance", "--rankers", "bm25")])
+def test_eval_reports_a_failed_json_write_in_one_line(command):
+    proc = _cacherouter(*command, "--json", "/dev/full")  # passes the checks, then the write fails (ENOSPC)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == "cacherouter: --json /dev/full: cannot write the figures (No space left on device)\n"
+    assert proc.stdout  # the figures were printed all the same
+
+
+def test_eval_relevance_refuses_options_of_the_full_evaluation(tmp_path):
+    out = tmp_path / "figures.json"
+    proc = _cacherouter("eval", "--workloads", "suite", "--json", str(out), "relevance")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("cacherouter: --json and --workloads given before 'relevance' would be ignored")
+    assert "cacherouter eval relevance --json PATH" in proc.stderr
+    assert proc.stdout == ""
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("top_k", ["0", "-3"])
+def test_eval_relevance_needs_a_top_k_of_at_least_one(top_k):
+    proc = _cacherouter("eval", "relevance", "--rankers", "bm25", "--top-k", top_k)
+    assert proc.returncode == 2
+    assert f"argument --top-k: must be at least 1, got {top_k}" in proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("option", ["--poll-interval", "--tool-timeout"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_serve_mcp_needs_positive_seconds(tmp_path, option, value):
+    proc = _cacherouter("serve-mcp", "--repo", str(tmp_path), option, value, timeout=30)
+    assert proc.returncode == 2
+    assert f"argument {option}: must be a finite number of seconds more than 0, got {value}" in proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("command", [("tools", "schema"), ("eval", "relevance", "--queries")])
+def test_ctrl_c_ends_a_command_with_one_line_and_code_130(tmp_path, command):
+    fifo = tmp_path / "input"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cacherouter.cli", *command, str(fifo)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal, whatever pytest does
+    )
+    with open(fifo, "w"):  # returns once the command has opened its input: it is running, blocked on a read
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert stderr == "cacherouter: interrupted\n"
+    assert stdout == ""
+
+
+def test_the_suite_writes_its_files_in_the_run_directory_not_in_tmp(tmp_path):
+    run = tmp_path / "run"  # what the runner makes: a temporary directory holding the repository copy
+    root = run / "repo"
+    shutil.copytree(EVAL_REPO, root, ignore=shutil.ignore_patterns("__pycache__"))
+    gateway = Gateway(GatewayConfig(root=root))
+    actions = [a for q in SUITE for r in q.rounds for a in r if a.tool == "write_file" or "file" in a.arguments]
+    assert len(actions) == 5
+    outcomes = []
+    for action in actions:
+        result = gateway.call(action.tool, action.arguments)
+        outcomes.append((result.ok, result.to_json().get("error")))
+        # what reaches the request bytes never names the run directory, whose name is random
+        assert str(run) not in json.dumps(result.to_json())
+    assert outcomes == [
+        (False, "error: permission denied: writes are restricted to /tmp (/root/beijing.txt)"),
+        (True, None),
+        (True, None),
+        (True, None),
+        (False, "usage: cr-calc.py EXPRESSION"),  # run without an expression, as the plan does
+    ]
+    assert sorted(p.name for p in run.iterdir()) == ["cr-beijing.txt", "cr-calc.py", "cr-faculty.txt", "repo"]
+    assert (run / "cr-beijing.txt").read_text() == "Beijing 31.5 C"
 
 
 def _recorded(usage, provider=None):

@@ -235,3 +235,25 @@ def test_reserved_tool_names_are_refused(tmp_path):
     messages = {p.path: p.message for p in registry.problems}
     assert "reserved" in messages[f"base/echo/{ROUTER_TOOL}.py"]
     assert "reserved" in messages[f"tail/stocks/{PLACEHOLDER_TOOL}.py"]
+
+
+def test_a_new_script_never_takes_over_a_registered_tool_name(tmp_path):
+    root = make_repo(tmp_path / "repo")
+    gateway = Gateway(GatewayConfig(root=root))
+    home = gateway.registry.tools["echo_text"].script
+    intruder = add_tool(root, "aaa", "x", "echo_text", "Echo some text back.")  # scans before base/
+    intruder.write_text(intruder.read_text().replace('print("echo_text:"', 'print("HIJACKED:"'))
+    assert gateway.poll().changed
+    assert gateway.registry.tools["echo_text"].script == home
+    [problem] = gateway.registry.problems
+    assert problem.path == "aaa/x/echo_text.py"
+    assert "already taken by base/echo/echo_text.py" in problem.message
+    result = gateway.call("echo_text", {"text": "hi"})
+    assert result.ok, result.stderr
+    assert result.stdout.strip() == "echo_text:hi"
+    # the holder keeps its name while it is broken, too (it serves its last good schema)
+    home.write_text(home.read_text() + "\ndef broken(:\n")
+    assert gateway.poll().changed
+    assert gateway.registry.tools["echo_text"].script == home
+    # with no previous holder (a fresh start), the first script in scan order gets the name, as before
+    assert build_registry(root).tools["echo_text"].script == intruder

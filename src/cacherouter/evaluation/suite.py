@@ -51,6 +51,13 @@ def _d(id: str, exp: str, text: str, answer: str, **kw: Any) -> Query:
 
 W = "weather"
 RAG = "rag_search"
+# Files the plans write land in the run's own temporary directory, which the runner deletes afterwards (a fixed
+# /tmp path would outlive the run and be shared by runs at once). Tools run in their skill directory,
+# <run directory>/repo/<package>/<skill>, so the run directory is three levels up; write_file accepts the path
+# because the run directory lies under /tmp, the system's temporary directory.
+BEIJING_FILE = "../../../cr-beijing.txt"
+FACULTY_FILE = "../../../cr-faculty.txt"
+CALC_FILE = "../../../cr-calc.py"
 
 SUITE: tuple[Query, ...] = (
     # Experiment 1: multi-step sequential tasks
@@ -69,13 +76,13 @@ SUITE: tuple[Query, ...] = (
         ),
         (
             routed(
-                "write the Beijing weather report to /tmp/beijing.txt",
+                f"write the Beijing weather report to {BEIJING_FILE}",
                 "write_file",
-                path="/tmp/cr-beijing.txt",
+                path=BEIJING_FILE,
                 content="Beijing 31.5 C",
             ),
         ),
-        final="Beijing is 31.5 C; /root was not writable, so the report is in /tmp/cr-beijing.txt.",
+        final=f"Beijing is 31.5 C; /root was not writable, so the report is in {BEIJING_FILE}.",
     ),
     _q(
         "1.2",
@@ -99,13 +106,13 @@ SUITE: tuple[Query, ...] = (
         (core(RAG, query="faculty", project="rag_project2"),),
         (
             routed(
-                "write the faculty search result to /tmp/faculty.txt",
+                f"write the faculty search result to {FACULTY_FILE}",
                 "write_file",
-                path="/tmp/cr-faculty.txt",
+                path=FACULTY_FILE,
                 content="Faculty research covers numerical analysis.",
             ),
         ),
-        final="One passage found; saved to /tmp/cr-faculty.txt.",
+        final=f"One passage found; saved to {FACULTY_FILE}.",
     ),
     _q(
         "1.5",
@@ -242,13 +249,17 @@ SUITE: tuple[Query, ...] = (
         "Write a calculator script to a file, run it and check three operations.",
         (
             routed(
-                "write a calculator script to /tmp/cr-calc.py",
+                f"write a calculator script to {CALC_FILE}",
                 "write_file",
-                path="/tmp/cr-calc.py",
-                content="import sys\nprint(eval(sys.argv[1]))\n",
+                path=CALC_FILE,
+                # Run without an expression, it fails with a usage line (the plan then checks by code); a traceback
+                # would name the file by its absolute path, and the run directory's random name would then reach
+                # the request bytes and make the figures vary from run to run.
+                content="import sys\nif len(sys.argv) < 2:\n    sys.exit('usage: cr-calc.py EXPRESSION')\n"
+                "print(eval(sys.argv[1]))\n",
             ),
         ),
-        (routed("run the python file /tmp/cr-calc.py", "run_python", file="/tmp/cr-calc.py"),),
+        (routed(f"run the python file {CALC_FILE}", "run_python", file=CALC_FILE),),
         (routed("run python code that checks 3+4, 6*7 and 8/2", "run_python", code="print(3+4, 6*7, 8/2)"),),
         final="The calculator works: 7, 42, 4.0.",
     ),

@@ -20,13 +20,18 @@ parser.add_argument("--check-args", default="{}", help="JSON object of arguments
 args = parser.parse_args()
 root = Path(os.environ.get("CACHEROUTER_REPO", "."))
 try:
+    check_arguments = json.loads(args.check_args)
+    if not isinstance(check_arguments, dict):
+        sys.exit("error: --check-args must be a JSON object of arguments")
+    # build_skill runs the check on a copy outside the repository, without CACHEROUTER_REPO (validation only,
+    # not a sandbox), and publishes under the repository's skill-builder lock.
     built = build_skill(
         root,
         name=args.name,
         description=args.description,
         params=params_from_json(args.params),
         body=args.body,
-        check_arguments=json.loads(args.check_args),
+        check_arguments=check_arguments,
     )
 except (CacheRouterError, json.JSONDecodeError) as e:
     sys.exit(f"error: {e}")
