@@ -311,25 +311,20 @@ def _shut_down(sock: socket.socket) -> None:
 
 
 class _WatchedHTTPConnection(http.client.HTTPConnection):
+    """A connection whose socket the watchdog can shut down once connected."""
+
     def __init__(self, host: str, *, watchdog: _Watchdog | None = None, **kwargs: Any) -> None:
         super().__init__(host, **kwargs)
         self._watchdog = watchdog
 
     def connect(self) -> None:
-        super().connect()
+        super().connect()  # HTTPSConnection.connect wraps the socket in TLS here, before the watch
         if self._watchdog is not None:
             self._watchdog.watch(self.sock)
 
 
-class _WatchedHTTPSConnection(http.client.HTTPSConnection):
-    def __init__(self, host: str, *, watchdog: _Watchdog | None = None, **kwargs: Any) -> None:
-        super().__init__(host, **kwargs)
-        self._watchdog = watchdog
-
-    def connect(self) -> None:
-        super().connect()
-        if self._watchdog is not None:
-            self._watchdog.watch(self.sock)
+class _WatchedHTTPSConnection(_WatchedHTTPConnection, http.client.HTTPSConnection):
+    pass
 
 
 class _WatchedHTTPHandler(urllib.request.HTTPHandler):
