@@ -208,7 +208,7 @@ def _cmd_serve_mcp(args: argparse.Namespace) -> int:
         raise CacheRouterError(gateway.last_error)
     for problem in gateway.registry.problems:
         print(f"skipped {problem.path}: {problem.message}", file=sys.stderr)
-    asyncio.run(serve_stdio(gateway))
+    asyncio.run(serve_stdio(gateway, max_concurrent_calls=args.max_concurrent_calls))
     return 0
 
 
@@ -406,6 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_seconds,
         default=60.0,
         help="seconds before a tool run is killed (default: 60)",
+    )
+    serve.add_argument(
+        "--max-concurrent-calls",
+        type=_at_least_one,
+        default=16,  # mcp_server.DEFAULT_MAX_CONCURRENT_CALLS, not imported here: the mcp extra is optional
+        help="tool runs at once; more calls wait, while the protocol keeps answering (default: 16)",
     )
     serve.add_argument("--allow-reflection", action="store_true", help="allow reflection fallback")
     serve.set_defaults(func=_cmd_serve_mcp)

@@ -69,7 +69,15 @@ def render_skill_script(name: str, description: str, params: list[SkillParam], b
         "",
         f"parser = argparse.ArgumentParser(description={description!r})",
     ]
+    seen: set[str] = set()
     for p in params:
+        # The body reads each parameter as ``args.<name>``: it must be an identifier, and once only.
+        if not _NAME.fullmatch(p.name) or p.name == "help" or p.name in seen:
+            raise SchemaError(
+                f"parameter {p.name!r}: names are lowercase identifiers (a-z, 0-9, _; at most 64), "
+                "unique, and not 'help'"
+            )
+        seen.add(p.name)
         flag = "--" + p.name.replace("_", "-")
         if p.type == "boolean":
             lines.append(f"parser.add_argument({flag!r}, action='store_true', help={p.help!r})")

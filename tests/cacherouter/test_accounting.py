@@ -178,6 +178,13 @@ def test_serve_mcp_needs_positive_seconds(tmp_path, option, value):
     assert proc.stdout == ""
 
 
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_serve_mcp_needs_at_least_one_concurrent_call(tmp_path, value):
+    proc = _cacherouter("serve-mcp", "--repo", str(tmp_path), "--max-concurrent-calls", value, timeout=30)
+    assert proc.returncode == 2
+    assert f"argument --max-concurrent-calls: must be at least 1, got {value}" in proc.stderr
+
+
 @pytest.mark.parametrize("command", [("tools", "schema"), ("eval", "relevance", "--queries")])
 def test_ctrl_c_ends_a_command_with_one_line_and_code_130(tmp_path, command):
     fifo = tmp_path / "input"

@@ -97,6 +97,16 @@ def test_the_package_is_one_directory_name(tmp_path, package):
     assert not (tmp_path / "abs_pkg").exists()
 
 
+@pytest.mark.parametrize("param", ["a b", "help", "Who", "x-y", "1st", "dup"])
+def test_parameter_names_are_unique_lowercase_identifiers(tmp_path, param):
+    root = make_repo(tmp_path / "repo")
+    params = [SkillParam(name=param)] + ([SkillParam(name="dup")] if param == "dup" else [])
+    before = _digests(root)
+    with pytest.raises(SchemaError, match="parameter"):
+        build_skill(root, name="named", description="d", params=params, body="print(1)", check_arguments={})
+    assert _digests(root) == before
+
+
 def test_a_skill_name_with_a_trailing_newline_is_refused(tmp_path):
     root = make_repo(tmp_path / "repo")
     with pytest.raises(SchemaError, match="lower_snake_case"):
