@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-frameworks lint format bench clean
+.PHONY: setup demo test test-frameworks test-harnesses lint format bench clean
 
 setup: $(STAMP)
 
@@ -25,10 +25,16 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q -m 'not slow'
 
+# CRIU >= 4.2 for the persistent shell's process snapshots (tests/test_criu.py skips, saying so, without it): a
+# minimal trixie root with forky's criu under /var/cache/tvcache/criu; ~75 s the first time, then a no-op. Root.
+.PHONY: criu
+criu:
+	scripts/install-criu.sh
+
 # veRL and Tinker pull in torch (~1.5-1.9 GB each, and conflicting transformers pins): each gets its own venv
 # with the CPU torch wheel, and runs only its adapter's tests. CI runs this after `make test`.
 FRAMEWORKS ?= verl tinker
-test-frameworks:
+test-frameworks: test-harnesses
 	@for fw in $(FRAMEWORKS); do \
 	  venv=.venv-$$fw; \
 	  if [ ! -f $$venv/.installed ]; then \
@@ -42,6 +48,24 @@ test-frameworks:
 	    tests/integrations/test_readme_snippets.py -k "$$fw" || exit 1; \
 	done
 
+# Harbor needs Python >= 3.12 (pyenv's, where the system's is older) and mini-swe-agent pulls litellm and datasets
+# (~450 MB): each gets its own venv (no torch) and runs its adapter's tests. swe-rex is in `dev`.
+PYTHON312 ?= $(or $(lastword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12)),python3.12)
+HARNESSES ?= harbor mini-swe-agent
+test-harnesses:
+	@for extra in $(HARNESSES); do \
+	  venv=.venv-$$extra; module=$$(echo $$extra | tr - _); python=$(PYTHON); \
+	  if [ $$extra = harbor ]; then python=$(PYTHON312); fi; \
+	  if [ ! -f $$venv/.installed ]; then \
+	    $$python -m venv $$venv && \
+	    $$venv/bin/python -m pip install --quiet --upgrade pip && \
+	    $$venv/bin/python -m pip install --quiet -e ".[$$extra]" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" && \
+	    touch $$venv/.installed || exit 1; \
+	  fi; \
+	  $$venv/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_$$module.py \
+	    tests/integrations/test_readme_snippets.py -k "$$module" || exit 1; \
+	done
+
 format: $(STAMP)
 	$(VENV)/bin/ruff format src tests
 	$(VENV)/bin/ruff check --fix src tests
@@ -50,4 +74,4 @@ bench: $(STAMP)
 	$(VENV)/bin/tvcache bench lookup
 
 clean:
-	rm -rf $(VENV) .venv-verl .venv-tinker .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-verl .venv-tinker .venv-harbor .venv-mini-swe-agent .pytest_cache .mypy_cache .ruff_cache

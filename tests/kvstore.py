@@ -15,17 +15,20 @@ from typing import Any
 
 from tvcache import Outcome, SandboxError, Snapshot, ToolCall, ToolSpec, UnknownTool
 
+# The store's own tools are deterministic by construction and declared so: the core tests count executions
+# exactly, which the first-hit check of undeclared tools would change (tests of that check redeclare a tool
+# through Cache(tools=...)).
 TOOLS = {
-    "get": ToolSpec(name="get", arguments={"key": str}),
-    "set": ToolSpec(name="set", arguments={"key": str, "value": (str, int)}),
-    "incr": ToolSpec(name="incr", arguments={"key": str}),
-    "keys": ToolSpec(name="keys", read_only=True, arguments={}),
-    "slow": ToolSpec(name="slow", arguments={"key": str, "seconds": float}),
+    "get": ToolSpec(name="get", deterministic=True, arguments={"key": str}),
+    "set": ToolSpec(name="set", deterministic=True, arguments={"key": str, "value": (str, int)}),
+    "incr": ToolSpec(name="incr", deterministic=True, arguments={"key": str}),
+    "keys": ToolSpec(name="keys", deterministic=True, read_only=True, arguments={}),
+    "slow": ToolSpec(name="slow", deterministic=True, arguments={"key": str, "seconds": float}),
     "now": ToolSpec(name="now", deterministic=False, read_only=True, arguments={}),
     "stamp": ToolSpec(name="stamp", deterministic=False, arguments={"key": str}),
-    "fail": ToolSpec(name="fail", arguments={}),
-    "dirty": ToolSpec(name="dirty", arguments={"key": str, "seconds": float}),
-    "weird": ToolSpec(name="weird", arguments={}),
+    "fail": ToolSpec(name="fail", deterministic=True, arguments={}),
+    "dirty": ToolSpec(name="dirty", deterministic=True, arguments={"key": str, "seconds": float}),
+    "weird": ToolSpec(name="weird", deterministic=True, arguments={}),
 }
 _clock = itertools.count()
 

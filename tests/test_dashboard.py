@@ -114,7 +114,7 @@ def test_the_wire_format_is_tallied_untagged(client: httpx.Client) -> None:
     assert not client.get("/get", params={"task_name": "w", "tool_calls": [key, key]}).json()["found"]
     (task,) = client.get("/v1/activity").json()["tasks"]
     assert task["epochs"] == [
-        {"epoch": None, "hits": 1, "misses": 1, "hit_rate": 0.5, "seconds_saved": 1.5, "seconds_executed": 0.0}
+        {"epoch": None, "hits": 1, "misses": 1, "hit_rate": 0.5, "seconds_saved": 1.5, "seconds_executed": 1.5}
     ]
 
 

@@ -127,8 +127,16 @@ def test_snapshots_attach_lease_release_and_budget(tmp_path: Path) -> None:
         assert service.cache.graph("t").node(a).snapshot is not None
         assert client.post("/v1/snapshots/release", json={"lease_id": lease["lease_id"]}).json() == {"ok": True}
         assert client.post("/v1/snapshots/release", json={"lease_id": lease["lease_id"]}).json() == {"ok": False}
+        # The same record again (a retried attach): not attached twice, and not handed back to be freed either,
+        # since node a still holds that storage.
         third = client.post("/v1/snapshots/attach", json={"task_id": "t", "node_id": a, "snapshot": snap}).json()
-        assert third == {"attached": False, "evicted": [{**snap, "meta": {}}]}
+        assert third == {"attached": False, "evicted": []}
+        # Another record at a node that holds one goes back to its sender, who made it, to free.
+        fourth = {**snap, "path": "/third"}
+        assert client.post("/v1/snapshots/attach", json={"task_id": "t", "node_id": a, "snapshot": fourth}).json() == {
+            "attached": False,
+            "evicted": [{**fourth, "meta": {}}],
+        }
     service.close()
     assert not Path("/definitely").exists()
 

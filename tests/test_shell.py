@@ -785,7 +785,13 @@ def test_the_shell_benchmark_runs_and_reports_each_part(tmp_path: Path, capsys: 
     assert set(figures["breakdown"]) == {"process creation", "namespaces", "confinement steps", "upper digest"}
     assert "mount proc" in figures["breakdown"]["confinement steps"]
     assert figures["paths"]["gap_0ms"]["before_over_now_p50"] > 0
-    assert "before/now" in capsys.readouterr().out
+    assert figures["latency"]["gap_0ms"]["true"]["persistent_over_shell_p50"] > 0
+    forks = figures["persistent forks"]
+    assert forks["routes"]["shell-state"] >= 3
+    assert forks["replay_over_fork_p50"] > 0
+    out = capsys.readouterr().out
+    assert "before/now" in out
+    assert "replay/fork" in out
 
 
 def test_commands_cannot_regain_the_capabilities_that_reach_past_the_sandbox(tmp_path: Path) -> None:
@@ -827,6 +833,41 @@ def test_device_nodes_in_the_tree_cannot_be_opened(tmp_path: Path) -> None:
     factory.close()
     assert "Permission denied" in tree, tree
     assert own.strip() == "4"
+
+
+def test_a_command_cannot_change_the_hosts_device_nodes(tmp_path: Path) -> None:
+    """The sandbox's /dev holds clones of the host's own device inodes: were they writable mounts, a command's
+    ``chmod 000 /dev/null`` would break every program on the host. They are read-only mounts, which still let the
+    devices be read and written."""
+    names = ("null", "zero", "full")
+    before = {name: os.stat(f"/dev/{name}") for name in names}
+    factory = factory_for(tmp_path)
+
+    async def main() -> str:
+        sandbox = await factory.start()
+        try:
+            script = "chmod 600 /dev/null; chown 1:1 /dev/zero; touch -d 2000-01-01 /dev/full; echo x > /dev/null"
+            return (await sandbox.execute(sh(f"{script}; echo written=$?"))).output
+        finally:
+            await sandbox.stop()
+
+    try:
+        output = asyncio.run(main())
+    finally:
+        factory.close()
+        for name, info in before.items():  # on a broken confinement, put the host back as it was
+            os.chmod(f"/dev/{name}", stat.S_IMODE(info.st_mode))
+            os.chown(f"/dev/{name}", info.st_uid, info.st_gid)
+            os.utime(f"/dev/{name}", ns=(info.st_atime_ns, info.st_mtime_ns))
+    after = {name: os.stat(f"/dev/{name}") for name in names}
+    for name in names:
+        assert (after[name].st_mode, after[name].st_uid, after[name].st_mtime_ns) == (
+            before[name].st_mode,
+            before[name].st_uid,
+            before[name].st_mtime_ns,
+        ), name
+    assert output.count("Read-only file system") == 3, output
+    assert output.endswith("written=0\n")
 
 
 def test_the_upper_digest_covers_every_entry_in_a_fixed_order(tmp_path: Path) -> None:

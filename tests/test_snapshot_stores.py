@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import select
 import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -267,6 +269,110 @@ def test_a_node_cache_refuses_a_directory_others_can_write_or_own(tmp_path: Path
             NodeCache(theirs)
 
 
+@pytest.fixture(scope="module")
+def scratch() -> Iterator[Path]:
+    """A directory in memory (``/dev/shm``) where there is one, for the tests that move many files around."""
+    shm = Path("/dev/shm")
+    root = Path(tempfile.mkdtemp(dir=shm if shm.is_dir() else None, prefix="tvcache-test-"))
+    yield root
+    shutil.rmtree(root)
+
+
+@pytest.fixture(scope="module")
+def many_files(scratch: Path) -> Path:
+    """10,000 small files (made once for the module): GNU tar takes a good tenth of a second to unpack them,
+    long enough to be caught mid-write."""
+    root = scratch / "many-files"
+    for i in range(100):
+        (root / f"d{i:03}").mkdir(parents=True)
+        for j in range(100):
+            (root / f"d{i:03}" / f"f{j}").write_text(f"{i} {j}\n")
+    return root
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs, that have not exited (from every process's ``/proc`` entry:
+    ``/proc/<pid>/task/<tid>/children`` is not in every kernel)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):  # exited meanwhile
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+                if fields[0] != "Z":
+                    parents[int(entry.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        more = [child for child, ppid in parents.items() if ppid == parent]
+        found += more
+        frontier += more
+    return found
+
+
+def unpacking_tar(parent: int) -> int | None:
+    """A GNU tar extracting an archive that ``parent`` (or a descendant) started, or None."""
+    for pid in descendants(parent):
+        with contextlib.suppress(OSError):
+            if b"--extract" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                return pid
+    return None
+
+
+def state_of(pid: int) -> str | None:
+    """``R``, ``S``, ``T`` (stopped), ``Z`` (exited)...; None once reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return None
+
+
+def exited(pidfd: int, within: float) -> bool:
+    ready, _, _ = select.select([pidfd], [], [], within)
+    return bool(ready)
+
+
+def frozen_tar(parent: int, node_cache: Path) -> int:
+    """Wait for the tar ``parent`` runs to unpack a tree into ``node_cache``, and stop it (SIGSTOP) mid-write; its
+    pid. The ``.partial`` it writes is made just before it starts: a cheap wait first, then a look at processes."""
+    wait_until(lambda: any(node_cache.glob("*.partial")), timeout=60)
+    wait_until(lambda: unpacking_tar(parent) is not None, timeout=60)
+    tar = unpacking_tar(parent)
+    assert tar is not None
+    os.kill(tar, signal.SIGSTOP)
+    wait_until(lambda: state_of(tar) in ("T", "t", "Z", None), timeout=10)
+    assert state_of(tar) in ("T", "t"), "tar finished before it could be stopped mid-write: unpack a bigger tree"
+    return tar
+
+
+def test_a_partial_entry_is_never_cleared_while_its_writer_writes_it(
+    tmp_path: Path, scratch: Path, many_files: Path
+) -> None:
+    """A fetch whose caller does not pin the digest still claims the ``.partial`` it writes: a tidying pass of
+    another process on the node (here another NodeCache on the same directory) leaves it alone."""
+    tree = many_files
+    data, fmt = pack(tree)
+    digest = blob_digest(data)
+    store = DirectoryStore(tmp_path / "store")
+    store.put(digest, data, PUBLICATION)
+    store.put(DIGEST, DATA, PUBLICATION)
+    root = Path(tempfile.mkdtemp(dir=scratch))
+    writer, other = NodeCache(root / "node-cache"), NodeCache(root / "node-cache")
+    fetched: list[Path] = []
+    thread = threading.Thread(target=lambda: fetched.append(writer.fetch(digest, fmt, store)))
+    thread.start()
+    tar = None
+    try:
+        tar = frozen_tar(os.getpid(), writer.root)
+        other.fetch(DIGEST, "file", store)  # any fetch tidies up the node's abandoned .partial entries
+        assert [path.name for path in other.root.glob(f"{digest}.*.partial")], "a live writer's entry was cleared"
+    finally:
+        if tar is not None:
+            os.kill(tar, signal.SIGCONT)  # our own child, not reaped yet: the number cannot be another's
+        thread.join(60)
+    assert fetched == [writer.path(digest)]
+    assert listing(fetched[0]) == listing(tree)
+
+
 CHILD = """
 import asyncio, sys
 from pathlib import Path
@@ -287,37 +393,54 @@ print("published", flush=True)
 
 
 def test_a_publisher_killed_while_its_data_crosses_filesystems_leaves_no_entry_a_fork_would_use(
-    tmp_path: Path,
+    tmp_path: Path, scratch: Path, many_files: Path
 ) -> None:
-    """The snapshot is made in ``tmp_path`` and adopted by a node cache in ``/dev/shm`` (another filesystem, so
-    copied, not renamed): the publisher is killed as soon as anything but a lock appears there."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+    """The snapshot is made in memory (``/dev/shm``) and adopted by a node cache in ``tmp_path`` (another
+    filesystem, so unpacked there by GNU tar, not renamed): the publisher is killed while its tar writes the
+    ``.partial`` entry.
+
+    The tar is stopped (SIGSTOP) just before: on its own it would soon end anyway (the killed publisher closes its
+    input), so only a tar that dies *with* its publisher gets past the bounded wait below, never one that
+    happened to end in time, and the entry can no longer be written when it is checked and removed."""
+    if os.stat(scratch).st_dev == os.stat(tmp_path).st_dev:
         pytest.skip("needs /dev/shm on another filesystem than the temp directory")
-    template = tmp_path / "template"
-    for i in range(100):
-        (template / f"d{i:03}").mkdir(parents=True)
-        for j in range(100):
-            (template / f"d{i:03}" / f"f{j}").write_text(f"{i} {j}\n")
-    node_cache = Path(tempfile.mkdtemp(dir=shm, prefix="tvcache-test-"))
-    arguments = [str(template), str(tmp_path / "store"), str(node_cache), str(tmp_path / "snapshot")]
+    work = Path(tempfile.mkdtemp(dir=scratch))
+    node_cache = tmp_path / "node-cache"
+    arguments = [str(many_files), str(work / "store"), str(node_cache), str(work / "snapshot")]
+    watched: dict[int, int] = {}  # the publisher's descendants when it was killed, by pidfd
     try:
         child = subprocess.Popen(
             [sys.executable, "-c", CHILD, *arguments],
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, "TMPDIR": str(tmp_path)},  # the killed factory's sandbox folders stay in tmp_path
+            env={**os.environ, "TMPDIR": str(work)},  # the killed factory's sandbox folders stay in work
         )
         try:
-            wait_until(lambda: any(not path.name.endswith(".lock") for path in node_cache.iterdir()), timeout=60)
+            frozen_tar(child.pid, node_cache)
+            for pid in descendants(child.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    watched[pid] = os.pidfd_open(pid)
         finally:
             child.send_signal(signal.SIGKILL)
             assert child.stdout is not None
             published = child.stdout.read()
             child.wait()
         assert published == ""  # killed before it finished, mid-copy
+        assert watched
+        survivors = [pid for pid, pidfd in watched.items() if not exited(pidfd, 10)]
+        assert survivors == [], "processes the publisher started outlived it and may write into the node cache"
         entries = [path.name for path in node_cache.iterdir()]
         assert not [name for name in entries if re.fullmatch("[0-9a-f]{64}", name)], entries  # nothing a fork takes
         assert [name for name in entries if name.endswith(".partial")]
+        store = DirectoryStore(work / "store")
+        store.put(DIGEST, DATA, PUBLICATION)
+        NodeCache(node_cache).fetch(DIGEST, "file", store)  # the next fetch on the node clears what was abandoned
+        assert not [path.name for path in node_cache.iterdir() if path.name.endswith(".partial")]
     finally:
-        shutil.rmtree(node_cache)
+        for pidfd in watched.values():  # only after a failure: kill survivors before removing what they write
+            if not exited(pidfd, 0):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                exited(pidfd, 10)
+            os.close(pidfd)
+        if node_cache.exists():
+            shutil.rmtree(node_cache)  # no ignore_errors: nothing may still write there

@@ -2,7 +2,8 @@
 
 The main model sees a fixed, canonically serialised tool view (core packages + ``INTERNAL_ROUTER``); every other
 tool is reached through a router channel. Tools are argparse scripts in a package/skill/script repository whose
-schemas are read statically and hot-reloaded. See ``DESIGN.md`` ("cacherouter in one page").
+schemas are read statically and hot-reloaded, and MCP servers (``cacherouter.upstreams``) whose tools join the
+long tail. See ``DESIGN.md`` ("cacherouter in one page").
 """
 
 from .accounting import Ledger, RecordingModel, Summary
@@ -36,6 +37,7 @@ from .router import Router, RouterConfig, compress_task, filter_candidates
 from .schema import ArgumentSpec, ScriptSchema
 from .session import Session
 from .skills import SkillParam, build_skill
+from .upstreams import UpstreamConfig, load_upstreams, namespaced_name, parse_upstreams
 from .usage import Usage, parse_usage
 
 __all__ = [
@@ -82,6 +84,7 @@ __all__ = [
     "ToolExecutionError",
     "ToolResult",
     "ToolSpec",
+    "UpstreamConfig",
     "Usage",
     "build_argv",
     "build_registry",
@@ -91,6 +94,9 @@ __all__ = [
     "evaluate_ranker",
     "extract_static",
     "filter_candidates",
+    "load_upstreams",
+    "namespaced_name",
+    "parse_upstreams",
     "parse_usage",
     "run_script",
     "script_schema",

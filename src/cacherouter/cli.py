@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .gateway import Gateway
 
 DEFAULT_PACKAGES = ("base", "geography", "internet")
-EVAL_WORKLOADS = ("suite", "dialogue", "longtail", "dialogue-211")
+EVAL_WORKLOADS = ("suite", "dialogue", "longtail", "dialogue-211", "mcp")
 ENV_HELP = f"""\
 models (ignored with --scripted): OpenAI-compatible endpoints from environment variables
   {MAIN_PREFIX}_BASE_URL   e.g. https://api.deepseek.com (required)
@@ -106,11 +106,22 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     json_path = _output_path(args.json, "--json") if args.json else None  # before the run, not after it
     # The suite breaks a tool script on purpose; the gateway's warning about it is expected here, not news.
     logging.getLogger("cacherouter.gateway").setLevel(logging.ERROR)
+    logging.getLogger("cacherouter.mcp_upstream").setLevel(logging.ERROR)
     tokenizer = default_tokenizer()
     ranker = make_ranker(RouterConfig().ranker).name  # what the router's "auto" default resolves to here
+    workloads = list(args.workloads or EVAL_WORKLOADS)
+    if "mcp" in workloads:
+        from .evaluation.mcp_workload import unavailable
+
+        reason = unavailable()
+        if reason is not None and args.workloads:
+            raise ConfigError(f"the mcp workload cannot run: {reason}")
+        if reason is not None:
+            print(f"note: skipping the mcp workload (real MCP servers): {reason}", file=sys.stderr)
+            workloads.remove("mcp")
     results = run_all(
         architectures=args.architectures or ARCHITECTURES,
-        workloads=args.workloads or EVAL_WORKLOADS,
+        workloads=workloads,
         tokenizer=tokenizer,
     )
     print("Offline evaluation: SCRIPTED models (no LLM API reachable), offline DeepSeek prefix-cache model,")
@@ -197,18 +208,42 @@ def _cmd_serve_mcp(args: argparse.Namespace) -> int:
     from .mcp_server import serve_stdio  # needs the 'mcp' extra; the import says so when it is missing
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)  # stdout carries the protocol
+    if args.repo is None and args.upstreams is None:
+        raise ConfigError("serve-mcp needs --repo DIR (serve its tools), --upstreams CONFIG (the gateway), or both")
+    if args.upstreams is None and args.core:
+        raise ConfigError("--core picks the gateway's fixed tools: it needs --upstreams")
     config = GatewayConfig(
-        root=Path(args.repo),
+        root=Path(args.repo) if args.repo else None,
         allow_reflection=args.allow_reflection,
         tool_timeout=args.tool_timeout,
         poll_interval=args.poll_interval,
+        upstreams_file=Path(args.upstreams) if args.upstreams else None,
     )
     gateway = Gateway(config)
-    if gateway.last_error is not None:
-        raise CacheRouterError(gateway.last_error)
-    for problem in gateway.registry.problems:
-        print(f"skipped {problem.path}: {problem.message}", file=sys.stderr)
-    asyncio.run(serve_stdio(gateway, max_concurrent_calls=args.max_concurrent_calls))
+    try:
+        if gateway.last_error is not None:
+            raise CacheRouterError(gateway.last_error)
+        for problem in gateway.registry.problems:
+            print(f"skipped {problem.path}: {problem.message}", file=sys.stderr)
+        if args.upstreams is None:
+            asyncio.run(serve_stdio(gateway, max_concurrent_calls=args.max_concurrent_calls))
+            return 0
+        from .mcp_gateway import RoutingMCPServer, router_model_from_env, serve_gateway_stdio
+
+        server = RoutingMCPServer(
+            gateway,
+            core=tuple(args.core),
+            router_model=router_model_from_env(),
+            router_config=RouterConfig(ranker=args.ranker, top_k=args.top_k, tool_timeout=args.tool_timeout),
+            max_concurrent_calls=args.max_concurrent_calls,
+        )
+        for status in gateway.upstreams:
+            state = f"{status.tools} tools" if status.state == "up" else f"{status.state}: {status.last_error}"
+            print(f"upstream {status.name} ({status.transport}): {state}", file=sys.stderr)
+        print(f"cacherouter gateway: INTERNAL_ROUTER by {server.mode}; core: {list(server.core)}", file=sys.stderr)
+        asyncio.run(serve_gateway_stdio(server))
+    finally:
+        gateway.close()
     return 0
 
 
@@ -396,8 +431,27 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true", help="print JSON")
     listing.add_argument("--allow-reflection", action="store_true", help="allow reflection fallback")
     listing.set_defaults(func=_cmd_list)
-    serve = sub.add_parser("serve-mcp", help="serve a tool repository over MCP (stdio), hot-reloading it")
-    serve.add_argument("--repo", required=True, help="repository root (package/skill/script)")
+    serve = sub.add_parser(
+        "serve-mcp",
+        help="serve a tool repository over MCP (stdio), or be a cache-preserving gateway to MCP servers",
+        description=(
+            "With --repo only: every tool of the repository over MCP on stdio, hot-reloaded. With --upstreams: the\n"
+            "gateway -- clients see only the --core tools and INTERNAL_ROUTER, a list that never changes, while the\n"
+            "configured MCP servers' tools (and --repo's, if given) are reached through INTERNAL_ROUTER. The router\n"
+            "sub-model comes from CACHEROUTER_ROUTER_* when CACHEROUTER_ROUTER_BASE_URL is set; otherwise\n"
+            "INTERNAL_ROUTER works by deterministic retrieval (find tools, then run one). See docs/cacherouter-mcp.md."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--repo", help="repository root (package/skill/script)")
+    serve.add_argument("--upstreams", metavar="CONFIG", help="JSON file of upstream MCP servers: the gateway mode")
+    serve.add_argument(
+        "--core", nargs="+", default=[], metavar="TOOL", help="tools the gateway lists directly (e.g. git__git_status)"
+    )
+    serve.add_argument("--ranker", choices=sorted(RANKERS), default="auto", help="the router's relevance scorer")
+    serve.add_argument(
+        "--top-k", type=_at_least_one, default=RouterConfig().top_k, help="candidates per routed task (default: 5)"
+    )
     serve.add_argument(
         "--poll-interval", type=_positive_seconds, default=1.0, help="seconds between repository polls (default: 1)"
     )
@@ -451,7 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Run the scripted workloads three ways side by side (CacheRouter, all tools always exposed, per-query "
             "dynamic disclosure) and account every request under DeepSeek's prefix-cache rules. Workloads: suite "
             "(55 queries, 11-tool repository with restarts, edits and new skills), dialogue (30 turns, 11 tools), "
-            "longtail (40 queries, 211 tools), dialogue-211 (the same 30 turns over the 211-tool registry)."
+            "longtail (40 queries, 211 tools), dialogue-211 (the same 30 turns over the 211-tool registry), mcp (24 "
+            "queries; the 12 scripts plus the tools of five real MCP servers -- git, time, memory, filesystem, "
+            "everything -- joining and leaving mid-run; needs scripts/install-mcp-servers.sh and the dev extra)."
         ),
     )
     evaluate.add_argument("--json", metavar="PATH", help="also write the figures as JSON")

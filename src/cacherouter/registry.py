@@ -61,18 +61,29 @@ class Problem:
 
 @dataclass(frozen=True, kw_only=True)
 class ToolSpec:
-    """One registered tool: where its script is and what its command line looks like."""
+    """One registered tool: a script (where it is, what its command line looks like) or an upstream MCP tool.
+
+    An upstream tool has no script: ``upstream`` names its server (see :mod:`cacherouter.upstreams`),
+    ``upstream_tool`` its own name there, and ``declared_schema`` the input schema the server declared, as JSON
+    text in the server's own member order.
+    """
 
     name: str
     package: str
     skill: str
-    script: Path
     description: str
-    schema: ScriptSchema
-    skill_text: str = ""  # SKILL.md body, used by retrieval only
-    digest: str = ""  # sha256 of the script source
+    script: Path | None = None
+    schema: ScriptSchema = field(default_factory=ScriptSchema)
+    skill_text: str = ""  # SKILL.md body (a server's instructions for upstream tools), used by retrieval only
+    digest: str = ""  # sha256 of the script source, or of an upstream tool's whole declared definition
+    upstream: str = ""
+    upstream_tool: str = ""
+    declared_schema: str = ""
 
     def input_schema(self) -> dict[str, Any]:
+        if self.upstream:
+            declared: dict[str, Any] = json.loads(self.declared_schema)
+            return declared
         return self.schema.json_schema()
 
     def definition(self) -> dict[str, Any]:
@@ -84,7 +95,14 @@ class ToolSpec:
 
     def search_text(self) -> str:
         """Everything retrieval may match against: name, description, parameters and the SKILL.md text."""
-        params = " ".join(f"{a.dest} {a.help}" for a in self.schema.arguments)
+        if self.upstream:
+            properties = self.input_schema().get("properties") or {}
+            params = " ".join(
+                f"{key} {value.get('description', '') if isinstance(value, dict) else ''}"
+                for key, value in properties.items()
+            )
+        else:
+            params = " ".join(f"{a.dest} {a.help}" for a in self.schema.arguments)
         return f"{self.name} {self.skill} {self.package} {self.description} {params} {self.skill_text}"
 
 
@@ -240,7 +258,7 @@ def build_registry(
             problems.append(
                 Problem(
                     path=rel,
-                    message=f"tool name {name!r} is already taken by {tools[name].script.name} in "
+                    message=f"tool name {name!r} is already taken by {Path(tools[name].script or name).name} in "
                     f"package {tools[name].package!r}; rename one of them",
                 )
             )
@@ -299,7 +317,7 @@ def _previous_holders(last_good: Mapping[str, ToolSpec], present: set[Path]) -> 
     repository must never take over a tool that sessions already advertise and call. Without a previous holder,
     the first script in scan order that registers gets the name.
     """
-    return {name: spec.script for name, spec in last_good.items() if spec.script in present}
+    return {name: spec.script for name, spec in last_good.items() if spec.script is not None and spec.script in present}
 
 
 def script_schema(

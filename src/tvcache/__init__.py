@@ -32,7 +32,7 @@ from .graph import Lease, MatchResult, Node, ToolCallGraph
 from .journal import JournalWarning
 from .policies import AlwaysSnapshot, Budget, CostAwareSnapshots, CostModel, LowReuseFirst, NeverSnapshot
 from .protocol import Outcome, Sandbox, SandboxFactory, Snapshot
-from .results import AuditFinding, CacheStats, ToolResult
+from .results import AuditFinding, CacheStats, NondeterminismMark, ToolResult
 from .session import Session, SessionStats, SyncSession, TestResult
 from .snapshots import BlobStore, DirectoryStore
 
@@ -82,6 +82,7 @@ __all__ = [
     "MatchResult",
     "NeverSnapshot",
     "Node",
+    "NondeterminismMark",
     "NondeterminismWarning",
     "Outcome",
     "PublishedSnapshots",

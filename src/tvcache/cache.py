@@ -16,17 +16,27 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .calls import ToolCall, ToolSpec, canonical_json, stable_digest
-from .errors import InvalidTaskId, InvalidToolCall, SandboxError, UnknownTool
+from .errors import InvalidTaskId, InvalidToolCall, JournalError, SandboxError, UnknownTool
 from .graph import Lease, Node, ToolCallGraph
-from .journal import Journal
+from .journal import Journal, JournalWarning
 from .policies import Budget, CostAwareSnapshots, CostModel, EvictionPolicy, LowReuseFirst, SnapshotPolicy
-from .protocol import Outcome, SandboxFactory, Snapshot, discard_snapshot_files
-from .results import AuditFinding, CacheStats
-from .snapshots.publication import publication_available, release_dropped
+from .protocol import Outcome, SandboxFactory, Snapshot, discard_snapshot_files, snapshot_inside
+from .recovery import (
+    DamagedRecord,
+    JournalRecovery,
+    LoadNotes,
+    lost_calls,
+    marks_to_recover,
+    read_damage,
+    remove_orphan_snapshots,
+)
+from .results import AuditFinding, CacheStats, NondeterminismMark
+from .snapshots.publication import PUBLISHED, publication_available, release_dropped
 
 if TYPE_CHECKING:
     from .session import Session, SyncSession
@@ -49,11 +59,12 @@ _COUNTERS = (
     "audits",
     "audit_disagreements",
     "replay_divergences",
+    "verified",
 )
 
 
 class NondeterminismWarning(UserWarning):
-    """A tool declared deterministic returned different results for the same call in the same state."""
+    """A tool served from cache returned different results for the same call in the same state."""
 
 
 InflightKey = tuple[str, int, bytes]
@@ -62,9 +73,19 @@ InflightKey = tuple[str, int, bytes]
 class Cache:
     """Tool call graphs of many tasks, shared by concurrent rollout sessions (threads or tasks).
 
-    ``discard`` frees a snapshot evicted by the budget when no session registered its backend's own
-    ``discard``; ``verify_snapshots=False`` keeps journaled snapshots whose files this process cannot see.
-    A server sets both: its snapshots belong to its clients (``tvcache.server``).
+    A process frees only storage it made: an evicted snapshot one of its sessions took is freed by the factory
+    that made it, from the record that factory returned. Any other record (reloaded from the journal, handed back
+    by a server any client writes to) is only a claim about where storage is, so by default only a path that
+    really lies in this cache's snapshot directory is freed, and the rest is forgotten (``_release_foreign``).
+    ``discard`` replaces that default for such records; ``verify_snapshots=False`` keeps journaled snapshots
+    whose files this process cannot see. A server sets both: its snapshots belong to its clients, to whom it
+    hands evicted records back (``tvcache.server``).
+
+    Non-determinism is guarded three ways: a replay compares every call it re-executes with its cached result;
+    ``verify_undeclared`` (on by default) executes once more, and compares, the first result of each tool whose
+    determinism nobody declared (``ToolSpec(deterministic=None)``) that would be served from cache in a task;
+    ``audit_rate`` re-executes that fraction of all hits in a fresh sandbox. A disagreement marks the tool
+    non-deterministic in that task (``nondeterministic_marks``, ``clear_nondeterministic``).
     """
 
     def __init__(
@@ -77,10 +98,11 @@ class Cache:
         budget: Budget | None = None,
         audit_rate: float = 0.0,
         audit_seed: int | None = 0,
+        verify_undeclared: bool = True,
         fsync: bool = False,
         compact_on_open: bool = True,
         clock: Callable[[], float] = time.monotonic,
-        discard: Callable[[Snapshot], None] = discard_snapshot_files,
+        discard: Callable[[Snapshot], None] | None = None,
         verify_snapshots: bool = True,
     ) -> None:
         if not 0.0 <= audit_rate <= 1.0:
@@ -90,13 +112,27 @@ class Cache:
         self._graphs: dict[str, ToolCallGraph] = {}
         self._unforkable_here: set[str] = set()  # paths of snapshots whose fork failed in this process
         self._specs: dict[str, ToolSpec] = {spec.name: spec for spec in tools}
+        # Tools never served from cache: in every task (declared, or journaled before marks were scoped), and per
+        # task where a replay, audit or first-hit check saw one disagree (task -> tool -> evidence).
         self._nondeterministic: dict[str, str] = {}
+        self._nondeterministic_in: dict[str, dict[str, str]] = {}
+        # (task, tool) pairs whose first-hit check has been done or is running; those done and agreeing are
+        # journaled (``_checked``), so a reopened cache — a proxy runs one process per connection — does not
+        # start a sandbox on every open just to check again what it already checked.
+        self._verified: set[tuple[str, str]] = set()
+        self._checked: set[tuple[str, str]] = set()
         self._inflight: dict[InflightKey, Future[Node | None]] = {}
         self._costs: dict[str, CostModel] = {}
         self._discarders: dict[str, Callable[[Snapshot], None]] = {}
-        self._owners: dict[str, Callable[[Snapshot], None]] = {}  # snapshot path -> its factory's discard
-        # How snapshots of backends no session registered are freed, and whether reloading checks their files:
-        # a server holds snapshots its clients own, so it neither deletes nor checks them (tvcache.server).
+        # Snapshots this process's sessions made: path -> (the record their factory returned, its discard).
+        self._owners: dict[str, tuple[Snapshot, Callable[[Snapshot], None]]] = {}
+        # Backends that can release what a record they did not make holds in their own storage (a published
+        # snapshot's references in their store): kind -> ``factory.discard_foreign``.
+        self._foreign_discarders: dict[str, Callable[[Snapshot], None]] = {}
+        self._forgotten = 0  # evicted records naming storage this process does not own, left alone
+        # How evicted records this process did not make are handled (None: ``_release_foreign``), and whether
+        # reloading checks their files: a server holds snapshots its clients own, so it neither deletes nor
+        # checks them (tvcache.server).
         self._discard_default = discard
         self._verify_snapshots = verify_snapshots
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -108,18 +144,24 @@ class Cache:
         self.eviction: EvictionPolicy = eviction or LowReuseFirst()
         self.budget = budget or Budget()
         self.audit_rate = audit_rate
+        self.verify_undeclared = verify_undeclared
         self._audit_rng = random.Random(audit_seed)
         self._closed = False
         self._journal: Journal | None = None
+        self._recovery: JournalRecovery | None = None
+        self._unapplied: list[tuple[int, dict[str, Any]]] = []  # loaded records that no longer apply
         if path is None:
             self.root = Path(tempfile.mkdtemp(prefix="tvcache-"))
-            self._cleanup = weakref.finalize(self, shutil.rmtree, self.root, True)
+            # Its snapshots die with it, each freed by the factory that made it (a docker image lives outside
+            # the directory), at close or when the process exits.
+            self._cleanup = weakref.finalize(self, _remove_memory_cache, self.root, self._owners)
         else:
             self.root = Path(path)
             self._cleanup = weakref.finalize(self, lambda: None)
+        self.snapshot_root = self.root / "snapshots"
+        if path is not None:
             self._journal = Journal(self.root, fsync=fsync)
             self._load(compact=compact_on_open)
-        self.snapshot_root = self.root / "snapshots"
 
     # ------------------------------------------------------------- sessions
 
@@ -168,27 +210,89 @@ class Cache:
             raise UnknownTool(name, list(known))
         return spec
 
-    def is_deterministic(self, spec: ToolSpec) -> bool:
-        return spec.deterministic and spec.name not in self._nondeterministic
+    def is_deterministic(self, spec: ToolSpec, task_id: str | None = None) -> bool:
+        """Whether ``spec``'s results may be served from cache (in ``task_id``, when given): not declared
+        non-deterministic and not marked so, tool-wide or in that task."""
+        if spec.deterministic is False or spec.name in self._nondeterministic:
+            return False
+        return task_id is None or spec.name not in self._nondeterministic_in.get(task_id, ())
 
     @property
     def nondeterministic_tools(self) -> dict[str, str]:
-        """Tools found non-deterministic at run time, with the evidence."""
+        """Tools marked non-deterministic in every task, with the evidence (see ``nondeterministic_marks`` for
+        the marks scoped to one task)."""
         with self._lock:
             return dict(self._nondeterministic)
 
+    def nondeterministic_marks(self, task_id: str | None = None) -> list[NondeterminismMark]:
+        """Every non-determinism mark, tool-wide ones first; with ``task_id``, those that apply in that task."""
+        with self._lock:
+            marks = [NondeterminismMark(tool=t, task_id=None, reason=r) for t, r in self._nondeterministic.items()]
+            for task, tools in self._nondeterministic_in.items():
+                if task_id is None or task == task_id:
+                    marks.extend(NondeterminismMark(tool=t, task_id=task, reason=r) for t, r in tools.items())
+            return marks
+
     def mark_nondeterministic(self, tool: str, reason: str) -> None:
-        """Never serve ``tool`` from cache again (persisted)."""
+        """Never serve ``tool`` from cache again, in any task (persisted). Evidence seen in one task marks the
+        tool in that task only (``_mark_nondeterministic_in``)."""
         with self._lock:
             if tool in self._nondeterministic:
                 return
-            self._nondeterministic[tool] = reason
             self._append({"t": "nondet", "tool": tool, "why": reason})
+            self._nondeterministic[tool] = reason
         warnings.warn(
             f"tool {tool!r} is non-deterministic ({reason}); it will be executed on every call from now on",
             NondeterminismWarning,
             stacklevel=3,
         )
+
+    def _mark_nondeterministic_in(self, task_id: str, tool: str, reason: str) -> None:
+        """Never serve ``tool`` from cache again in task ``task_id`` (persisted): the evidence (one call that
+        gave two results in one state of this task) says nothing about other tasks, whose environments may
+        differ; their own first-hit checks and replays judge the tool there."""
+        with self._lock:
+            tools = self._nondeterministic_in.get(task_id, {})
+            if tool in tools or tool in self._nondeterministic:
+                return
+            self._append({"t": "nondet", "tool": tool, "why": reason, "task": task_id})
+            self._nondeterministic_in.setdefault(task_id, tools)[tool] = reason
+        warnings.warn(
+            f"tool {tool!r} is non-deterministic in task {task_id!r} ({reason}); it will be executed on every "
+            "call of that task from now on",
+            NondeterminismWarning,
+            stacklevel=3,
+        )
+
+    def clear_nondeterministic(self, tool: str | None = None, *, task_id: str | None = None) -> int:
+        """Forget non-determinism marks (persisted), so the tool is cached (and checked) again; returns how many
+        were cleared. ``tool`` and ``task_id`` filter (None: any); a tool-wide mark has no task, so it is cleared
+        only when ``task_id`` is None. The tools' own ``ToolSpec(deterministic=False)`` declarations stay."""
+        with self._lock:
+            cleared: list[tuple[str, str | None]] = []
+            if task_id is None:
+                cleared.extend((name, None) for name in self._nondeterministic if tool in (None, name))
+            for marked_in, tools in self._nondeterministic_in.items():
+                if task_id in (None, marked_in):
+                    cleared.extend((name, marked_in) for name in tools if tool in (None, name))
+            for name, scope in cleared:
+                self._append({"t": "det", "tool": name, "task": scope})
+                self._forget_mark(name, scope)
+            return len(cleared)
+
+    def _forget_mark(self, tool: str, task_id: str | None) -> None:
+        if task_id is None:
+            self._nondeterministic.pop(tool, None)
+            self._verified = {pair for pair in self._verified if pair[1] != tool}
+            self._checked = {pair for pair in self._checked if pair[1] != tool}
+            return
+        tools = self._nondeterministic_in.get(task_id)
+        if tools is not None:
+            tools.pop(tool, None)
+            if not tools:
+                del self._nondeterministic_in[task_id]
+        self._verified.discard((task_id, tool))  # cached again: its next first hit is checked again
+        self._checked.discard((task_id, tool))
 
     def costs(self, factory: SandboxFactory) -> CostModel:
         """The measured costs of a backend, seeded with its hints until measured."""
@@ -202,6 +306,9 @@ class Cache:
                     snapshot=hints.get("snapshot", 0.0),
                 )
             self._discarders.setdefault(factory.kind, factory.discard)
+            discard_foreign = getattr(factory, "discard_foreign", None)
+            if discard_foreign is not None:
+                self._foreign_discarders.setdefault(factory.kind, discard_foreign)
             return model
 
     # ------------------------------------------------- operations for sessions
@@ -369,26 +476,84 @@ class Cache:
 
     def _remember_owner(self, snapshot: Snapshot, factory: SandboxFactory) -> None:
         """Evicting ``snapshot`` frees it through the factory that made it (two factories of one backend kind
-        keep separate storage)."""
+        keep separate storage), from this record: the one evicted may have come back over the wire."""
         with self._lock:
-            self._owners[snapshot.path] = factory.discard
+            self._owners[snapshot.path] = (snapshot, factory.discard)
 
-    def _discarder_for(self, snapshot: Snapshot) -> Callable[[Snapshot], None]:
+    def _free_snapshot(self, snapshot: Snapshot) -> None:
+        """Free an evicted snapshot's storage if this process made it; hand any other record to ``discard``."""
         with self._lock:
-            owner = self._owners.pop(snapshot.path, None)
-            return owner or self._discarders.get(snapshot.kind, self._discard_default)
+            owned = self._owners.pop(snapshot.path, None)
+        if owned is not None:
+            record, discard = owned
+            discard(record)
+        elif self._discard_default is not None:
+            self._discard_default(snapshot)
+        else:
+            self._release_foreign(snapshot)
 
-    def _attach_snapshot(self, graph: ToolCallGraph, node: Node, snapshot: Snapshot) -> None:
+    def _release_foreign(self, snapshot: Snapshot) -> None:
+        """An evicted record no session of this process made: a reopened cache's journal, or a server's answer
+        (any of its clients may have written it, naming any path). Never delete what it names unless it lies in
+        this cache's snapshot directory, symlinks resolved:
+
+        - a durable cache's own directory: what its journal records there, an earlier process of this cache
+          made, so its backend frees it as if made here;
+        - anywhere else in the snapshot directory (clients on one machine sharing a ``snapshot_dir``): only the
+          verified path is removed, since the record's ``meta`` (layers, images) is not this process's to trust;
+        - a backend with ``discard_foreign`` releases what it can verify in its own storage (a published
+          snapshot's references in its store);
+        - nothing else is touched: the record is forgotten (with a warning the first time, unless its data is
+          published: that lives in a store, not on this machine).
+        """
+        inside = snapshot_inside(snapshot, self.snapshot_root)
         with self._lock:
-            if node.snapshot is not None:  # a concurrent session snapshotted the same state first
+            discard = self._discarders.get(snapshot.kind)
+            foreign = self._foreign_discarders.get(snapshot.kind)
+        if inside is not None and self._journal is not None:
+            (discard or discard_snapshot_files)(snapshot)
+            return
+        if foreign is not None:
+            foreign(snapshot)
+        if inside is not None:
+            discard_snapshot_files(snapshot, root=self.snapshot_root)
+        elif PUBLISHED not in snapshot.meta:  # a published one's data is in a store, released above
+            with self._lock:
+                self._forgotten += 1
+                first = self._forgotten == 1
+            if first:
+                warnings.warn(
+                    f"not deleting {snapshot.path!r}, an evicted {snapshot.kind!r} snapshot this process did not "
+                    f"make and that is not in its snapshot directory {str(self.snapshot_root)!r}: a snapshot record "
+                    "names storage, it does not prove whose it is. Such records are forgotten (this warning is "
+                    "given once); point the processes of one machine at one snapshot directory so that whichever "
+                    "evicts a snapshot frees it",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+    def _attach_snapshot(self, graph: ToolCallGraph, node: Node, snapshot: Snapshot) -> bool:
+        """Attach ``snapshot`` to ``node``; returns whether it was. It is not, and goes back to be freed, when the
+        node holds a snapshot already (a concurrent session got there first)."""
+        with self._lock:
+            if node.snapshot is not None:
                 evicted = [snapshot]
+                attached = False
             else:
+                attached = True
                 graph.attach_snapshot(node, snapshot)
+                try:
+                    self._append({"t": "s", "task": graph.task_id, "id": node.id, "snap": snapshot.to_json()})
+                except BaseException:
+                    # Memory must never hold what the journal does not (a restart would lose it, and until then
+                    # the node refuses every other snapshot): undo the attach, the caller keeps its snapshot.
+                    graph.detach_snapshot(node)
+                    raise
                 self._counters["snapshots_taken"] += 1
-                self._append({"t": "s", "task": graph.task_id, "id": node.id, "snap": snapshot.to_json()})
                 evicted = self._enforce_budget(graph, keep=node)
         for old in evicted:
-            self._discarder_for(old)(old)
+            self._free_snapshot(old)
+        return attached
 
     def _drop_snapshot(self, graph: ToolCallGraph, node: Node) -> None:
         """Evict a snapshot that turned out unusable (its fork failed), unless someone else holds a lease."""
@@ -398,7 +563,7 @@ class Cache:
             snapshot = graph.detach_snapshot(node)
             self._append({"t": "x", "task": graph.task_id, "id": node.id})
             self._counters["snapshots_evicted"] += 1
-        self._discarder_for(snapshot)(snapshot)
+        self._free_snapshot(snapshot)
 
     def _detach_snapshot(self, graph: ToolCallGraph, node: Node) -> Snapshot:
         """Forget a node's snapshot without freeing its storage (its owner moved it on); journaled."""
@@ -406,6 +571,14 @@ class Cache:
             snapshot = graph.detach_snapshot(node)
             self._append({"t": "x", "task": graph.task_id, "id": node.id})
             return snapshot
+
+    def _remove(self, graph: ToolCallGraph, node: Node) -> list[Snapshot]:
+        """Forget ``node`` and everything below it (journaled first); returns the snapshots they held, for their
+        owners to free. Refuses (ValueError, nothing changed) the root and subtrees holding a leased snapshot."""
+        with self._lock:
+            graph.check_removable(node)
+            self._append({"t": "rm", "task": graph.task_id, "id": node.id})
+            return graph.remove(node)
 
     def _enforce_budget(self, graph: ToolCallGraph, *, keep: Node) -> list[Snapshot]:
         """Evict snapshots until the budget holds; returns the evicted snapshots for their storage to be freed.
@@ -432,8 +605,8 @@ class Cache:
             for _, owner, node in candidates:
                 if not over(count, size, max_count, max_bytes):
                     break
+                self._append({"t": "x", "task": owner.task_id, "id": node.id})  # journal first, as above
                 snapshot = owner.detach_snapshot(node)
-                self._append({"t": "x", "task": owner.task_id, "id": node.id})
                 self._counters["snapshots_evicted"] += 1
                 evicted.append(snapshot)
                 count -= 1
@@ -458,6 +631,36 @@ class Cache:
         with self._lock:
             return self._audit_rng.random() < self.audit_rate
 
+    def _claim_verification(self, task_id: str, spec: ToolSpec) -> bool:
+        """True once per task and undeclared tool (``spec.deterministic is None``), to the session that is to
+        check that tool's first hit in the task; False when checks are off, the tool is declared, or it was
+        (or is being) checked already."""
+        if not self.verify_undeclared or spec.deterministic is not None:
+            return False
+        with self._lock:
+            key = (task_id, spec.name)
+            if key in self._verified:
+                return False
+            self._verified.add(key)
+            return True
+
+    def _passed_verification(self, task_id: str, tool: str) -> None:
+        """The first-hit check agreed: journaled, so a reopened cache does not check that tool in the task again."""
+        with self._lock:
+            if (task_id, tool) in self._checked:
+                return
+            try:
+                self._append({"t": "checked", "task": task_id, "tool": tool})
+            except JournalError as error:  # losing it costs one more check after a reopen, never a wrong answer
+                warnings.warn(f"{error} (a passed first-hit check stays in memory only)", JournalWarning, stacklevel=2)
+                return
+            self._checked.add((task_id, tool))
+
+    def _release_verification(self, task_id: str, tool: str) -> None:
+        """The check could not run (the sandbox failed, the session was cancelled): a later hit tries again."""
+        with self._lock:
+            self._verified.discard((task_id, tool))
+
     def _report_audit(self, finding: AuditFinding) -> None:
         with self._lock:
             self._findings.append(finding)
@@ -465,13 +668,16 @@ class Cache:
             if not finding.agrees:
                 self._counters["audit_disagreements"] += 1
         if not finding.agrees:
-            self.mark_nondeterministic(
+            self._mark_nondeterministic_in(
+                finding.task_id,
                 finding.call.name,
-                f"audit of task {finding.task_id!r} node {finding.node_id}: cached and fresh results differ",
+                f"audit of node {finding.node_id}: cached and fresh results differ",
             )
 
-    def _report_divergence(self, task_id: str, node: Node, output: str) -> None:
-        """A replay re-executed a cached call and got a different result: the tool is not deterministic."""
+    def _report_divergence(self, task_id: str, node: Node, output: str, *, source: str = "replay") -> None:
+        """Re-executing a cached call in its state gave another result (``source``: a "replay", the "first-hit"
+        check, or a "record" that found the call recorded with another result): the tool is not deterministic,
+        in this task at least. Counted, kept as a finding, and the tool marked in the task."""
         assert node.call is not None
         self._count("replay_divergences")
         with self._lock:
@@ -482,15 +688,19 @@ class Cache:
                     call=node.call,
                     cached_output=node.output,
                     fresh_output=output,
+                    source=source,
                 )
             )
-        self.mark_nondeterministic(node.call.name, f"replay of task {task_id!r} node {node.id} gave another result")
+        what = {"replay": "a replay", "first-hit": "the first-hit check", "record": "a second execution"}
+        self._mark_nondeterministic_in(
+            task_id, node.call.name, f"{what.get(source, source)} of node {node.id} gave another result"
+        )
 
     # ------------------------------------------------------------ inspection
 
     @property
     def findings(self) -> list[AuditFinding]:
-        """Audit results and replay divergences, oldest first."""
+        """Audit results, replay divergences and first-hit checks that disagreed, oldest first."""
         with self._lock:
             return list(self._findings)
 
@@ -504,6 +714,7 @@ class Cache:
                 snapshot_bytes=sum(g.snapshot_bytes for g in self._graphs.values()),
                 seconds_executed=self._seconds_executed,
                 seconds_saved=self._seconds_saved,
+                nondeterministic=tuple(self.nondeterministic_marks()),
                 **counters,
             )
 
@@ -521,24 +732,117 @@ class Cache:
             self._journal.append(record)
 
     def _load(self, *, compact: bool) -> None:
-        assert self._journal is not None
+        """Replay the journal, then deal with what it held besides intact records (``_recover``). If the cache
+        cannot open, the journal is closed again before the error propagates."""
+        journal = self._journal
+        assert journal is not None
+        notes = LoadNotes()
         records = 0
-        dropped = 0
-        for record in self._journal.load():
-            records += 1
-            try:
-                self._apply(record)
-            except (KeyError, ValueError, TypeError, InvalidToolCall) as error:
-                dropped += 1
-                warnings.warn(f"{self._journal.path}: ignoring a record that does not apply: {error!r}", stacklevel=3)
-        live = sum(len(g) for g in self._graphs.values()) + len(self._nondeterministic)
-        if compact and records > 2 * live + 1000:
-            self.compact()
+        errors: list[BaseException] = []
+        try:
+            for line, record in journal.load():
+                records += 1
+                notes.note(line, record)
+                try:
+                    self._apply(record)
+                except (KeyError, ValueError, TypeError, InvalidToolCall) as error:
+                    self._unapplied.append((line, record))
+                    errors.append(error)
+            self._recover(journal, notes, errors)
+            self._remove_leftovers(journal, notes)  # before a compaction moves damaged lines out of sight
+            live = sum(len(g) for g in self._graphs.values()) + len(self.nondeterministic_marks())
+            if compact and records > 2 * live + 1000:
+                try:
+                    self._compact(warn=False)
+                except JournalError as error:  # optional: the journal is whole as it is (a full disk, say)
+                    warnings.warn(f"{error}; opening without compacting", JournalWarning, stacklevel=3)
+        except BaseException:
+            journal.close()
+            raise
+        assert self._recovery is not None
+        if self._recovery.lost_records or self._recovery.torn_tail or self._recovery.recovered_marks:
+            warnings.warn(self._recovery.describe(), JournalWarning, stacklevel=3)
+
+    def _recover(self, journal: Journal, notes: LoadNotes, errors: list[BaseException]) -> None:
+        """Account for damage (``tvcache.recovery``): group the calls lost below missing nodes, mark again the
+        tools a damaged line may have marked (JournalError when it cannot tell which), and keep new nodes off the
+        ids the journal's lost records still use, so restoring a damaged line later cannot graft them elsewhere."""
+        scan = journal.scan
+        damaged = tuple(read_damage(line) for line in scan.damaged)
+        marks = marks_to_recover(journal.path, damaged, notes)
+        lost = lost_calls(
+            (record for _, record in self._unapplied),
+            lambda task, node: task in self._graphs and self._graphs[task].get(node) is not None,
+        )
+        in_groups = {(group.task_id, node) for group in lost for node in group.nodes}
+        skipped = [
+            error
+            for (_, record), error in zip(self._unapplied, errors, strict=True)
+            if record.get("t") != "n" or (record.get("task"), record.get("id")) not in in_groups
+        ]
+        for task, ids in _ids_by_task([record for _, record in self._unapplied], damaged).items():
+            graph = self._graphs.get(task)  # never a graph for a task name read from damaged bytes
+            if graph is not None:
+                graph.reserve_ids(max(ids))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NondeterminismWarning)  # the recovery warning says it once
+            for tool in marks:
+                self.mark_nondeterministic(tool, f"a damaged journal record may have marked it ({journal.path})")
+        self._recovery = JournalRecovery(
+            journal=str(journal.path),
+            damaged=damaged,
+            lost=tuple(lost),
+            skipped=len(skipped),
+            first_error=repr(skipped[0]) if skipped else None,
+            torn_tail=len(scan.torn_tail.data) if scan.torn_tail is not None else 0,
+            torn_copy=str(scan.set_aside) if scan.set_aside is not None else None,
+            recovered_marks=tuple(marks),
+            removed=tuple(str(path) for path in scan.removed),
+        )
+
+    def _remove_leftovers(self, journal: Journal, notes: LoadNotes) -> None:
+        """Remove snapshot files a killed process wrote but never journaled. Only where this cache owns its
+        snapshots (a server's belong to its clients), and never what a record, intact or damaged, may name."""
+        assert self._recovery is not None
+        if not self._verify_snapshots:
+            return
+        removed = remove_orphan_snapshots(self.snapshot_root, notes.snapshot_names, journal.scan, journal.directory)
+        if removed:
+            self._recovery = replace(
+                self._recovery, removed=self._recovery.removed + tuple(str(path) for path in removed)
+            )
+
+    @property
+    def recovery(self) -> JournalRecovery | None:
+        """What opening this durable cache found and did: damaged records and what they took with them, copies
+        set aside, leftovers of killed processes removed (None for an in-memory cache)."""
+        with self._lock:
+            return self._recovery
 
     def _apply(self, record: dict[str, Any]) -> None:
         kind = record["t"]
         if kind == "nondet":
-            self._nondeterministic[record["tool"]] = record["why"]
+            # Records without a task were written before marks were scoped, when every divergence marked the
+            # tool everywhere: they keep that meaning (executing more is never wrong); clear_nondeterministic()
+            # lifts them.
+            tool, why, task = str(record["tool"]), str(record["why"]), record.get("task")
+            if task is None:
+                self._nondeterministic[tool] = why
+            else:
+                _check_task_id(task)
+                self._nondeterministic_in.setdefault(task, {})[tool] = why
+            return
+        if kind == "checked":
+            task, tool = record["task"], str(record["tool"])
+            _check_task_id(task)
+            self._verified.add((task, tool))
+            self._checked.add((task, tool))
+            return
+        if kind == "det":
+            task = record.get("task")
+            if task is not None:
+                _check_task_id(task)
+            self._forget_mark(str(record["tool"]), task)
             return
         graph = self.graph(record["task"])
         if kind == "n":
@@ -568,6 +872,8 @@ class Cache:
                 graph.detach_snapshot(node)
         elif kind == "test":
             graph.set_test(graph.node(record["id"]), record["k"], record["v"])
+        elif kind == "rm":
+            graph.remove(graph.node(record["id"]))
         else:
             raise ValueError(f"unknown record type {kind!r}")
 
@@ -581,8 +887,11 @@ class Cache:
 
     def _records(self) -> Iterator[dict[str, Any]]:
         """The current state as journal records (what compaction writes)."""
-        for tool, why in self._nondeterministic.items():
-            yield {"t": "nondet", "tool": tool, "why": why}
+        for mark in self.nondeterministic_marks():
+            record = {"t": "nondet", "tool": mark.tool, "why": mark.reason}
+            yield record if mark.task_id is None else {**record, "task": mark.task_id}
+        for task_id, tool in sorted(self._checked):
+            yield {"t": "checked", "task": task_id, "tool": tool}
         for task_id, graph in self._graphs.items():
             nodes = sorted(graph.nodes(), key=lambda node: node.id)
             for node in nodes:
@@ -607,11 +916,26 @@ class Cache:
                     yield {"t": "test", "task": task_id, "id": node.id, "k": key, "v": value}
 
     def compact(self) -> int:
-        """Rewrite the journal to hold only the live state. Returns the number of records written."""
+        """Rewrite the journal to hold only the live state. Returns the number of records written. Damaged lines
+        and the records that depended on them are copied aside first (``recovery.set_aside``, and a warning)."""
+        return self._compact(warn=True)
+
+    def _compact(self, *, warn: bool) -> int:
         if self._journal is None:
             return 0
         with self._lock:
-            return self._journal.rewrite(self._records())
+            result = self._journal.rewrite(self._records(), lost=self._unapplied)
+            self._unapplied = []
+            if result.set_aside is not None and self._recovery is not None:
+                self._recovery = replace(self._recovery, set_aside=(*self._recovery.set_aside, str(result.set_aside)))
+        if warn and result.set_aside is not None:
+            warnings.warn(
+                f"{self._journal.path}: compacting dropped damaged lines and the records that depended on them; "
+                f"copies are in {result.set_aside}",
+                JournalWarning,
+                stacklevel=3,
+            )
+        return result.records
 
     # ---------------------------------------------------------------- close
 
@@ -642,6 +966,31 @@ class Cache:
     def __repr__(self) -> str:
         where = "memory" if self._journal is None else str(self.root)
         return f"<Cache {where} tasks={len(self._graphs)}>"
+
+
+def _remove_memory_cache(root: Path, owners: dict[str, tuple[Snapshot, Callable[[Snapshot], None]]]) -> None:
+    for record, discard in list(owners.values()):
+        try:
+            discard(record)
+        except Exception as error:  # one backend's failure must not keep the others' storage
+            warnings.warn(f"freeing snapshot {record.path} at close failed: {error}", RuntimeWarning, stacklevel=1)
+    owners.clear()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _ids_by_task(records: Iterable[dict[str, Any]], damaged: Iterable[DamagedRecord]) -> dict[str, list[int]]:
+    """The node ids that records which did not load (and legible damaged lines) use, per task."""
+    ids: dict[str, list[int]] = {}
+    for record in records:
+        task = record.get("task")
+        for key in ("id", "p"):
+            value = record.get(key)
+            if isinstance(task, str) and isinstance(value, int) and not isinstance(value, bool):
+                ids.setdefault(task, []).append(value)
+    for damage in damaged:  # unverified: a damaged id is at worst a gap in the numbering
+        if damage.task_id is not None and damage.node_id is not None and damage.node_id < 2**31:
+            ids.setdefault(damage.task_id, []).append(damage.node_id)
+    return ids
 
 
 def _test_key(graph: ToolCallGraph, node: Node, key: str) -> InflightKey:

@@ -195,16 +195,18 @@ class ToolSpec:
 
     ``read_only``: the call never changes sandbox state, so its result is keyed by the state it reads and it does
     not extend the rollout's path. Leave it False when unsure: a backend may still *prove* single calls read-only.
-    ``deterministic``: the same call in the same state always returns the same result. A non-deterministic tool
-    is never served from cache, and a non-deterministic call that may change state ends caching for the rest of
-    the rollout, since later states can no longer be reproduced.
+    ``deterministic``: True declares that the same call in the same state always returns the same result; False
+    that it may not: a non-deterministic tool is never served from cache, and a non-deterministic call that may
+    change state ends caching for the rest of the rollout, since later states can no longer be reproduced. None
+    (the default: nobody declared it) caches the tool but checks it: the first time one of its results would be
+    served from cache in a task, the call is executed once more and compared (``Cache(verify_undeclared=...)``).
     ``arguments`` / ``optional_arguments``: expected argument names and Python types, checked before execution
     (None skips the check).
     """
 
     name: str
     read_only: bool = False
-    deterministic: bool = True
+    deterministic: bool | None = None
     description: str = ""
     arguments: Mapping[str, type | tuple[type, ...]] | None = None
     optional_arguments: Mapping[str, type | tuple[type, ...]] = field(default_factory=dict)

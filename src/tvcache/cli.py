@@ -1,4 +1,5 @@
-"""The ``tvcache`` command: ``demo``, ``replay``, ``serve``, ``mcp-proxy``, ``bench NAME`` and ``inspect DIR``."""
+"""The ``tvcache`` command: ``demo``, ``replay``, ``serve``, ``mcp-proxy``, ``bench NAME``, ``inspect DIR`` and
+``nondeterminism DIR``."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.name == "fork":
         from .bench import fork
 
+        if args.docker:
+            fork.run_docker(image=args.docker_image, repeats=args.fork_repeats, json_path=args.json)
+            return 0
         sizes = tuple(int(size) for size in args.sizes.split(","))
         fork.run(sizes_mb=sizes, repeats=args.fork_repeats, json_path=args.json)
         return 0
@@ -140,7 +144,16 @@ def _mcp_proxy(args: argparse.Namespace) -> int:
     except ImportError as error:
         print(f"tvcache mcp-proxy: {error}", file=sys.stderr)
         return 2
-    return mcp_proxy.main(command, task_id=args.task, cache=args.cache, token=args.token, uncached=args.uncached)
+    return mcp_proxy.main(
+        command,
+        task_id=args.task,
+        cache=args.cache,
+        token=args.token,
+        uncached=args.uncached,
+        deterministic=args.deterministic,
+        audit_rate=args.audit_rate,
+        sandbox_dir=args.sandbox_dir,
+    )
 
 
 def _ray(args: argparse.Namespace) -> int:
@@ -158,18 +171,60 @@ def _ray(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    """Print a summary of a cache directory (JSON); exit 1 when its journal lost acknowledged records (what and
+    where on stderr, and under "journal"), 2 when it cannot be opened."""
+    import dataclasses
+    import warnings
+    from pathlib import Path
+
+    from .cache import Cache
+    from .errors import TVCacheError
+    from .journal import Journal, JournalWarning
+
+    if not (Path(args.path) / Journal.FILE).is_file():
+        print(f"tvcache inspect: {args.path} is not a cache directory (it has no {Journal.FILE})", file=sys.stderr)
+        return 2
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", JournalWarning)  # said below, once, without a source line
+            cache = Cache(args.path, compact_on_open=False)
+    except TVCacheError as error:
+        print(f"tvcache inspect: {error}", file=sys.stderr)
+        return 2
+    with cache:
+        tasks = {task: cache.graph(task).stats() for task in cache.tasks()}
+        recovery = cache.recovery
+        report = {
+            "path": str(cache.root),
+            "tasks": tasks,
+            "nondeterministic_tools": cache.nondeterministic_tools,
+            "journal": dataclasses.asdict(recovery) if recovery is not None else None,
+        }
+        print(json.dumps(report, indent=2))
+    if recovery is not None and recovery.describe():
+        print(f"tvcache inspect: {recovery.describe()}", file=sys.stderr)
+    return 1 if recovery is not None and recovery.lost_records else 0
+
+
+def _nondeterminism(args: argparse.Namespace) -> int:
+    """List (or with --clear, forget) the non-determinism marks of a durable cache directory."""
     from .cache import Cache
     from .errors import TVCacheError
 
     try:
         cache = Cache(args.path, compact_on_open=False)
     except TVCacheError as error:
-        print(f"tvcache inspect: {error}", file=sys.stderr)
+        print(f"tvcache nondeterminism: {error}", file=sys.stderr)
         return 2
     with cache:
-        tasks = {task: cache.graph(task).stats() for task in cache.tasks()}
-        report = {"path": str(cache.root), "tasks": tasks, "nondeterministic_tools": cache.nondeterministic_tools}
-        print(json.dumps(report, indent=2))
+        marks = [
+            mark
+            for mark in cache.nondeterministic_marks()
+            if args.tool in (None, mark.tool) and args.task in (None, mark.task_id)
+        ]
+        cleared = cache.clear_nondeterministic(args.tool, task_id=args.task) if args.clear else 0
+        listed = [{"tool": mark.tool, "task": mark.task_id, "reason": mark.reason} for mark in marks]
+        print(json.dumps({"path": str(cache.root), "marks": listed, "cleared": cleared}, indent=2))
     return 0
 
 
@@ -242,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--shards", type=int, default=1, help="server: shard processes behind the load (default 1)")
     bench.add_argument("--sizes", default="10,1024", help="fork: base tree sizes in MB (default 10,1024)")
     bench.add_argument("--fork-repeats", type=int, default=200, help="fork: overlay forks timed per size (200)")
+    bench.add_argument(
+        "--docker", action="store_true", help="fork: image-overlay fork vs docker commit+run, checkpoint restore"
+    )
+    bench.add_argument("--docker-image", default="tvcache-base:bookworm", help="fork --docker: the image (local)")
     bench.add_argument("--calls", type=int, default=200, help="shell: calls timed per command and backend (200)")
     bench.add_argument("--gaps", default="0,20", help="shell: think times between calls in ms (default 0,20)")
     bench.add_argument(
@@ -265,7 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve an MCP server's tools through the cache (needs the 'mcp' extra)",
         description="An MCP server on stdio that forwards to the upstream MCP server started by the command after "
         "'--' and answers repeated calls from a tvcache graph: one connection is one rollout of --task. Tools "
-        "annotated readOnlyHint are read-only, all others change state. Statistics: resource tvcache://stats.",
+        "annotated readOnlyHint are read-only, all others change state; no annotation makes a tool deterministic, "
+        "so the first hit of each tool in a task is executed once more and compared unless --deterministic or "
+        "--uncached declares it. Statistics: resource tvcache://stats. See docs/mcp-proxy.md.",
     )
     proxy.add_argument("--task", default=None, help="task id (default: $TVCACHE_TASK, else a digest of the command)")
     proxy.add_argument("--cache", default=None, help="a directory (embedded, durable), a tvcache serve URL, or "
@@ -273,12 +334,40 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--token", default=None, help="bearer token of the server (default: $TVCACHE_TOKEN)")
     proxy.add_argument("--uncached", action="append", default=[], metavar="TOOL", help="never serve TOOL from "
                        "cache (non-deterministic); repeatable")  # fmt: skip
+    proxy.add_argument("--deterministic", action="append", default=[], metavar="TOOL", help="declare TOOL "
+                       "deterministic: its first hit in a task is not re-executed to check it; repeatable")  # fmt: skip
+    proxy.add_argument("--audit-rate", type=float, default=0.0, metavar="FLOAT", help="re-execute this fraction "
+                       "of hits in a fresh upstream and compare (0 to 1; default 0)")  # fmt: skip
+    proxy.add_argument("--sandbox-dir", default=None, metavar="DIR", help="run the upstream confined on an "
+                       "overlay of its data directory DIR (seen at its own path), so every rollout starts from DIR as "
+                       "it is and DIR never changes; needs root (overlay mounts)")  # fmt: skip
     proxy.add_argument("upstream", nargs=argparse.REMAINDER, help="-- then the upstream server's command")
     proxy.set_defaults(handler=_mcp_proxy)
 
-    inspect = commands.add_parser("inspect", help="summarise a durable cache directory")
+    inspect = commands.add_parser(
+        "inspect",
+        help="summarise a durable cache directory",
+        description="Prints the tasks, non-determinism marks and journal health of a cache directory as JSON. Exits "
+        "1 when the journal holds damaged records (which ones, and the calls lost with them, on stderr), 2 when the "
+        "directory cannot be opened (not a cache, in use, or a damaged record the cache refuses to guess about).",
+    )
     inspect.add_argument("path", help="a directory created by Cache(path=...)")
     inspect.set_defaults(handler=_inspect)
+
+    nondeterminism = commands.add_parser(
+        "nondeterminism",
+        help="list or clear the tools a durable cache no longer serves from cache",
+        description="Lists the non-determinism marks of a cache directory (JSON): a tool marked in one task, where a "
+        "replay, an audit or a first-hit check saw one call give two results (task: the task id), or in every task "
+        "(task: null; declared with Cache.mark_nondeterministic, or journaled by tvcache before marks were scoped). "
+        "--clear forgets the listed marks, so those tools are cached, and checked, again. Stop the process using "
+        "the directory first.",
+    )
+    nondeterminism.add_argument("path", help="a directory created by Cache(path=...)")
+    nondeterminism.add_argument("--tool", default=None, help="only the marks of TOOL")
+    nondeterminism.add_argument("--task", default=None, help="only the marks of task TASK (tool-wide marks have none)")
+    nondeterminism.add_argument("--clear", action="store_true", help="forget the marks listed")
+    nondeterminism.set_defaults(handler=_nondeterminism)
 
     ray = commands.add_parser(
         "ray",

@@ -1,8 +1,9 @@
 """``tvcache demo``: small but real RL post-training runs through the cache, side by side with no cache.
 
-For each workload (SQL, shell, files/media), a learnable policy — standing in for the LLM, see
-``workloads.policy`` — samples groups of rollouts per task over several epochs and is updated GRPO-style. The
-sandboxes, tools, outputs and rewards are real. Four runs use the same seeds:
+For each workload (SQL, shell, files/media, and a terminal driven through one persistent shell per rollout), a
+learnable policy — standing in for the LLM, see ``workloads.policy`` — samples groups of rollouts per task over
+several epochs and is updated GRPO-style. The sandboxes, tools, outputs and rewards are real. Four runs use the
+same seeds:
 
 * ``uncached``: every rollout executes every call in a fresh sandbox (the ground truth);
 * ``naive``: a dict keyed by the call alone, the failure the paper is about; its wrong results are counted
@@ -34,7 +35,7 @@ from .workloads.base import Task, Workload
 from .workloads.policy import GroupPolicy, Trajectory
 
 MODES = ("uncached", "naive", "tvcache-nosnap", "tvcache")
-WORKLOADS = ("sql", "shell", "media")
+WORKLOADS = ("sql", "shell", "media", "terminal", "dockerfile", "dockerfile-docker")
 
 
 @dataclass(kw_only=True)
@@ -94,7 +95,7 @@ class Runner:
         self.cache: Cache | None = None
         if mode.startswith("tvcache"):
             policy = NeverSnapshot() if mode == "tvcache-nosnap" else None
-            self.cache = Cache(work / f"{workload.name}-{mode}", snapshot_policy=policy)
+            self.cache = Cache(work / f"{workload.name}-{mode}", snapshot_policy=policy, audit_rate=args.audit_rate)
         self.naive: dict[tuple[str, bytes], str] = {}
         self.result = RunResult(mode=mode)
         self.sandboxes_started = 0
@@ -227,7 +228,29 @@ def load_workload(name: str, data_dir: Path, args: argparse.Namespace) -> Worklo
         from .workloads.media import media_workload
 
         return media_workload(data_dir)
+    if name == "terminal":
+        from .workloads.terminal import terminal_workload
+
+        return terminal_workload(data_dir)
+    if name in ("dockerfile", "dockerfile-docker"):
+        from .workloads.dockerfile import dockerfile_workload
+
+        return dockerfile_workload(data_dir, backend="image" if name == "dockerfile" else "docker")
     raise SystemExit(f"tvcache demo: unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+def unavailable(name: str) -> str | None:
+    """Why a workload cannot run on this machine, or None: ``terminal``'s persistent shells need overlay mounts,
+    and have no copying fallback; the Dockerfile workloads need a Docker engine and the local base image."""
+    if name == "terminal":
+        from .workloads.terminal import unavailable_reason
+
+        return unavailable_reason()
+    if name in ("dockerfile", "dockerfile-docker"):
+        from .workloads import dockerfile
+
+        return dockerfile.unavailable_reason("image" if name == "dockerfile" else "docker")
+    return None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -237,7 +260,14 @@ def main(args: argparse.Namespace) -> int:
         args.epochs = 3 if args.quick else 6
     if args.epochs < 1 or args.rollouts < 1:
         raise SystemExit("tvcache demo: --epochs and --rollouts must be at least 1")
-    names = [name.strip() for name in args.workloads.split(",") if name.strip()]
+    names = [name.strip() for name in (args.workloads or ",".join(WORKLOADS)).split(",") if name.strip()]
+    for name in list(names):
+        reason = unavailable(name)
+        if reason is not None and args.workloads is not None:
+            raise SystemExit(f"tvcache demo: workload {name!r} cannot run here: {reason}")
+        if reason is not None:  # a default workload that cannot run here is left out, and said so
+            print(f"tvcache demo: leaving out the {name} workload: {reason}")
+            names.remove(name)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -282,7 +312,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="2 tasks per workload and 3 epochs (under 2 minutes)")
     parser.add_argument("--epochs", type=int, default=None, help="training epochs (default 6; 3 with --quick)")
     parser.add_argument("--rollouts", type=int, default=8, help="rollouts per task group (default 8)")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: sql,shell,media")
+    parser.add_argument("--workloads", default=None, help="comma-separated, from "
+                        f"{','.join(WORKLOADS)} (default: all that can run here; terminal needs overlay mounts, i.e. "
+                        "root; dockerfile and dockerfile-docker a Docker engine)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the policies' sampling (same in every run)")
     parser.add_argument("--delay", type=float, default=0.0, help="seconds added per SQL query (remote database)")
     parser.add_argument("--out", default="tvcache-demo", help="report directory (default ./tvcache-demo)")
+    parser.add_argument("--audit-rate", type=audit_rate, default=0.0, metavar="FLOAT", help="fraction of hits "
+                        "re-executed in a fresh sandbox and compared (default 0)")  # fmt: skip
+
+
+def audit_rate(text: str) -> float:
+    """``--audit-rate``'s type: a fraction between 0 and 1 (shared by the commands that build a cache)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {value}")
+    return value

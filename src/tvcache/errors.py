@@ -7,6 +7,7 @@
     │       └── UnknownTool    a call to a tool nobody declared
     ├── SandboxError           a sandbox failed to start, fork, snapshot or execute
     │   ├── ReplayError        a sandbox failed while re-creating a cached state
+    │   ├── CriuError          CRIU failed to dump or restore a process tree (its log is in the message)
     │   └── SnapshotDeclined   a backend cannot freeze this state exactly (the cache goes on without a snapshot)
     ├── JournalError           the durable journal cannot be opened or written
     └── SessionClosed          a call on a session that has already ended
@@ -57,6 +58,11 @@ class SnapshotUnusable(SandboxError):
     or its record is malformed or in a format this tvcache refuses. The cache forgets the snapshot everywhere. Any
     other fork failure is taken as a fault of the process that met it (a full disk, a different base tree): that
     process leaves the snapshot alone from then on, and the others keep forking it."""
+
+
+class CriuError(SandboxError):
+    """CRIU could not dump or restore a sandbox's process tree; the message carries the end of CRIU's log. The
+    dumped tree goes on running, and nothing of a failed restore is left running or mounted."""
 
 
 class ReplayError(SandboxError):

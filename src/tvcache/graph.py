@@ -12,6 +12,7 @@ The graph is not thread-safe by itself; the cache serialises access to it.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -174,6 +175,8 @@ class ToolCallGraph:
         self._nodes: dict[int, Node] = {0: self.root}
         self._next_id = 1
         self.snapshot_nodes: dict[int, Node] = {}
+        # node id by snapshot path (normalised): a path is one snapshot's storage, so it is attached at most once
+        self.snapshot_paths: dict[str, int] = {}
         self.snapshot_bytes = 0
 
     # ----------------------------------------------------------------- lookup
@@ -185,6 +188,10 @@ class ToolCallGraph:
     def next_id(self) -> int:
         """The id the next inserted node gets (journals write it before inserting)."""
         return self._next_id
+
+    def reserve_ids(self, node_id: int) -> None:
+        """Never give ``node_id`` or a lower id to a new node (records that did not load still use them)."""
+        self._next_id = max(self._next_id, node_id + 1)
 
     def node(self, node_id: int) -> Node:
         return self._nodes[node_id]
@@ -303,6 +310,7 @@ class ToolCallGraph:
             raise ValueError(f"{node!r} already holds a snapshot")
         node.snapshot = snapshot
         self.snapshot_nodes[node.id] = node
+        self.snapshot_paths[snapshot_key(snapshot)] = node.id
         self.snapshot_bytes += snapshot.bytes
 
     def detach_snapshot(self, node: Node) -> Snapshot:
@@ -314,8 +322,47 @@ class ToolCallGraph:
             raise ValueError(f"{node!r} is leased {node.leases} time(s); it cannot be evicted")
         node.snapshot = None
         del self.snapshot_nodes[node.id]
+        if self.snapshot_paths.get(snapshot_key(snapshot)) == node.id:
+            del self.snapshot_paths[snapshot_key(snapshot)]
         self.snapshot_bytes -= snapshot.bytes
         return snapshot
+
+    def subtree(self, node: Node) -> list[Node]:
+        """``node`` and every node below it (iterative: paths can be deeper than the recursion limit)."""
+        nodes: list[Node] = []
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            nodes.append(current)
+            for table in (current.children, current.reads):
+                stack.extend((table or {}).values())
+        return nodes
+
+    def check_removable(self, node: Node) -> None:
+        """ValueError unless ``remove(node)`` would succeed."""
+        if node.parent is None:
+            raise ValueError("the root of a graph cannot be removed")
+        if self._nodes.get(node.id) is not node:
+            raise ValueError(f"{node!r} is not in task {self.task_id!r}")
+        leased = sum(1 for current in self.subtree(node) if current.leases)
+        if leased:
+            raise ValueError(f"{leased} snapshot(s) below {node!r} are leased; they cannot be removed")
+
+    def remove(self, node: Node) -> list[Snapshot]:
+        """Forget ``node`` and its subtree; returns their snapshots (the caller frees their storage). Node ids are
+        not reused while the graph lives: ``next_id`` keeps counting."""
+        self.check_removable(node)
+        parent = node.parent
+        assert parent is not None and node.call is not None
+        table = parent.reads if node.read_only else parent.children
+        assert table is not None
+        del table[node.call.digest]
+        snapshots: list[Snapshot] = []
+        for current in self.subtree(node):
+            if current.snapshot is not None:
+                snapshots.append(self.detach_snapshot(current))
+            del self._nodes[current.id]
+        return snapshots
 
     @contextmanager
     def leased(self, node: Node) -> Iterator[Lease]:
@@ -382,4 +429,10 @@ class ToolCallGraph:
                 require(not overlap, f"{node!r} has calls that are both stateful and read-only")
         require(reachable == len(self._nodes), f"{len(self._nodes) - reachable} registered nodes are unreachable")
         require(snapshots == set(self.snapshot_nodes), "snapshot index disagrees with the nodes")
+        require(set(self.snapshot_paths.values()) <= snapshots, "snapshot path index names a node without one")
         require(snapshot_bytes == self.snapshot_bytes, "snapshot byte count disagrees with the snapshots")
+
+
+def snapshot_key(snapshot: Snapshot) -> str:
+    """The storage a snapshot record names, as one string per path (``a/./b`` and ``a/b`` are one)."""
+    return os.path.normpath(snapshot.path)

@@ -7,15 +7,26 @@ it only decides when to start, fork, snapshot, replay and stop. Backends live in
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from .calls import ToolCall, ToolSpec
 
-__all__ = ["Outcome", "Sandbox", "SandboxFactory", "SandboxWrapper", "Snapshot", "discard_snapshot_files"]
+__all__ = [
+    "Outcome",
+    "Sandbox",
+    "SandboxFactory",
+    "SandboxWrapper",
+    "Snapshot",
+    "discard_snapshot_files",
+    "snapshot_inside",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,13 +67,53 @@ class Snapshot:
         return cls(kind=data["kind"], path=data["path"], bytes=int(data["bytes"]), meta=data.get("meta", {}))
 
 
-def discard_snapshot_files(snapshot: Snapshot) -> None:
-    """Default storage release: remove the snapshot's file or directory."""
-    path = Path(snapshot.path)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+def snapshot_inside(snapshot: Snapshot, root: str | os.PathLike[str]) -> Path | None:
+    """The snapshot's path with every symbolic link resolved, if it lies strictly inside ``root`` (resolved
+    too); None otherwise. A snapshot record is only a claim about where storage is: whoever wrote it (another
+    client of a server, an earlier process of a journal) may name any path, or a link in ``root`` leading out."""
+    resolved_root = Path(os.path.realpath(root))
+    resolved = Path(os.path.realpath(snapshot.path))
+    if resolved == resolved_root or resolved_root not in resolved.parents:
+        return None
+    return resolved
+
+
+def discard_snapshot_files(snapshot: Snapshot, *, root: str | os.PathLike[str] | None = None) -> bool:
+    """Default storage release: remove the snapshot's file or directory (a tree made read-only by a tool
+    included). With ``root``, only a path that really lies inside ``root`` (``snapshot_inside``) is removed.
+    Returns whether the path was the snapshot's to remove (it may have been gone already)."""
+    if root is None:
+        path = Path(snapshot.path)
     else:
+        inside = snapshot_inside(snapshot, root)
+        if inside is None:
+            return False
+        path = inside
+    remove_tree(path)
+    return True
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a file, a link or a directory tree, directories a tool made read-only (``chmod -w``) included;
+    what cannot be removed (gone already, not permitted) is left, as ``ignore_errors`` would."""
+    if path.is_symlink() or not path.is_dir():
         path.unlink(missing_ok=True)
+    elif sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=_writable_and_retry)
+    else:
+        shutil.rmtree(path, onerror=_writable_and_retry)
+
+
+def _writable_and_retry(function: Callable[[str], object], target: str, _: object) -> None:
+    """rmtree's error handler: make a directory a tool left read-only (``chmod -w``) writable and retry once;
+    anything else (gone already, not permitted) is left, as ``ignore_errors`` would."""
+    with contextlib.suppress(OSError):
+        os.chmod(os.path.dirname(target), 0o700)
+        if os.path.isdir(target) and not os.path.islink(target):
+            os.chmod(target, 0o700)
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            function(target)
 
 
 @runtime_checkable
@@ -100,7 +151,13 @@ class SandboxFactory(Protocol):
         ...
 
     def discard(self, snapshot: Snapshot) -> None:
-        """Free a snapshot's storage; called once the cache evicts it."""
+        """Free a snapshot's storage; called once the cache evicts it, only with a snapshot this factory made
+        (the very record it returned) or one a durable cache's journal records in its own snapshot directory.
+
+        A factory may also define ``discard_foreign(snapshot)``: called for an evicted record it did not make
+        (another process's, handed back by a server any client writes to). It must free nothing the record names
+        by path; it may release what it can verify in storage of its own (a published snapshot's references in
+        its store). Without it such a record is forgotten (``Cache._release_foreign``)."""
         ...
 
 

@@ -6,6 +6,12 @@ routes (measured costs): keep its live sandbox and replay the calls it lags behi
 and replay from there, or start fresh and replay everything. Two sessions missing on the same call in the same
 state execute it once. A call that may change state but is not deterministic takes the rollout off the cached
 paths: from then on it runs live and uncached, since no later state can be reproduced.
+
+Every re-execution of a cached call is also a check of it. A replay that meets a call giving another result
+than the cached one reports it and still applies every remaining call, so the sandbox ends where an uncached
+rollout with the same calls would be. The first hit of a tool whose determinism nobody declared in a task is
+executed once more, in the live sandbox brought to the state the call was made in, and compared: exact for
+state-changing calls too, since executing the call there is exactly what uncached execution does.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class SessionStats:
     sandboxes_forked: int = 0
     forks_failed: int = 0
     calls_replayed: int = 0
+    verified: int = 0  # hits re-checked by executing the call (first hits of undeclared tools)
 
 
 class Session:
@@ -92,12 +99,14 @@ class Session:
         spec.validate(call)
         self.history.append(call)
         started = time.perf_counter()
-        if self.state is None or not self.cache.is_deterministic(spec):
+        if self.state is None or not self.cache.is_deterministic(spec, self.task_id):
             return await self._execute_uncached(call, spec, started)
         while True:
             state = self.state
             node = self.cache._lookup(self.graph, state, call)
             if node is not None:
+                if self.cache._claim_verification(self.task_id, spec):
+                    return await self._verify_hit(node, spec, started)
                 return self._hit(node, started, coalesced=False)
             owner, future = self.cache._claim(self.graph, state, call)
             if owner:
@@ -200,6 +209,64 @@ class Session:
             node_id=node.id,
         )
 
+    async def _verify_hit(self, node: Node, spec: ToolSpec, started: float) -> ToolResult:
+        """The first hit of an undeclared tool in this task: execute the call in the live sandbox at the state
+        it was made in and compare. Agreeing, the cached result is returned (and a state-changing call has moved
+        the sandbox on with the rollout); disagreeing, the tool is marked non-deterministic in this task and the
+        fresh result is returned uncached, the sandbox holding what that execution did."""
+        call, state = node.call, node.parent
+        assert call is not None
+        assert state is not None
+        try:
+            sandbox = await self._ensure_sandbox(state)
+            if self.state is None:  # reaching that state diverged: the rollout runs uncached from here on
+                self.cache._release_verification(self.task_id, spec.name)
+                return await self._execute_uncached(call, spec, started)
+            outcome, _ = await self._execute(sandbox, call)
+        except Exception as error:
+            # The check could not run (the sandbox failed and was stopped): the rollout is still at this state,
+            # so the hit is served as it would have been without the check, which a later hit retries.
+            self.cache._release_verification(self.task_id, spec.name)
+            warnings.warn(
+                f"task {self.task_id!r}: the first-hit check of node {node.id} could not run: {error!r}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return self._hit(node, started, coalesced=False)
+        except BaseException:
+            self.cache._release_verification(self.task_id, spec.name)
+            raise
+        read_only = _left_state_unchanged(spec, outcome)
+        agrees = (
+            outcome.output == node.output
+            and outcome.is_error == node.is_error
+            and outcome.deterministic
+            and read_only == node.read_only
+        )
+        if not agrees:
+            self.cache._report_divergence(self.task_id, node, outcome.output, source="first-hit")
+            return self._uncached_result(call, outcome, read_only, started)
+        self.cache._passed_verification(self.task_id, spec.name)
+        if not node.read_only:
+            self.state = node
+            self._sandbox_state = node
+        self.cache._touch(self.graph, node)
+        seconds = time.perf_counter() - started
+        self.stats.verified += 1
+        self.stats.seconds += seconds
+        self.cache._count("verified")
+        return ToolResult(
+            call=call,
+            output=node.output,
+            is_error=node.is_error,
+            hit=False,
+            seconds=seconds,
+            seconds_saved=0.0,
+            cached=True,
+            verified=True,
+            node_id=node.id,
+        )
+
     # ---------------------------------------------------------- misses
 
     async def _execute_and_record(self, call: ToolCall, spec: ToolSpec, state: Node, started: float) -> ToolResult:
@@ -216,12 +283,18 @@ class Session:
                 return self._uncached_result(call, outcome, read_only, started)
             node = self.cache._record(self.graph, state, call, outcome, spent, read_only)
         except BaseException as error:
+            # The call may have run without being recorded (a journal that refused the write, a cancellation):
+            # the sandbox is at no state of the graph, and the call counts as not made, as for a cancelled one.
+            self._sandbox_state = None
             self.cache._resolve(self.graph, state, call, None, _for_waiters(error))
             raise
         self.cache._resolve(self.graph, state, call, node, None)
-        if node.output != outcome.output or node.is_error != outcome.is_error:
-            # Someone recorded this call in this state earlier with another result: the tool is not deterministic.
-            self.cache._report_divergence(self.task_id, node, outcome.output)
+        if node.output != outcome.output or node.is_error != outcome.is_error or node.read_only != read_only:
+            # Someone recorded this call in this state earlier with another result (a claim lost to a TTL, another
+            # server's worker): the tool is not deterministic, and this sandbox holds what *this* execution did,
+            # which no cached state describes, so the rollout leaves the cached paths with it.
+            self.cache._report_divergence(self.task_id, node, outcome.output, source="record")
+            return self._uncached_result(call, outcome, read_only, started)
         self.stats.misses += 1
         self.cache._count("misses")
         if not node.read_only:
@@ -396,13 +469,16 @@ class Session:
 
     async def _replay(self, sandbox: Sandbox, base: Node, target: Node, *, live: bool) -> bool:
         """Re-execute the stateful calls from ``base`` (exclusive) to ``target`` (inclusive), checking each
-        against its cached result. Returns False at the first difference, which proves the tool
-        non-deterministic and leaves the sandbox in a state the graph does not describe."""
+        against its cached result. Returns False if one differed, which proves its tool non-deterministic and
+        leaves the sandbox in a state the graph does not describe. A live replay still applies every call after
+        the difference, so the sandbox holds the effects of the rollout's whole history, as uncached execution
+        of it would; an audit's sandbox (``live=False``) is thrown away, so it stops there."""
         path: list[Node] = []
         node: Node | None = target
         while node is not None and node is not base:
             path.append(node)
             node = node.parent
+        diverged = False
         for step in reversed(path):
             assert step.call is not None
             try:
@@ -417,12 +493,18 @@ class Session:
                 raise
             self.stats.calls_replayed += 1
             self.cache._count("calls_replayed")
+            if diverged:
+                continue  # applying the rest of the history: its results belong to no cached state
             if outcome.output != step.output or outcome.is_error != step.is_error:
                 self.cache._report_divergence(self.task_id, step, outcome.output)
-                return False
+                if not live:
+                    return False
+                diverged = True
+                self._sandbox_state = None
+                continue
             if live:
                 self._sandbox_state = step
-        return True
+        return not diverged
 
     async def _maybe_snapshot(self, sandbox: Sandbox, node: Node) -> None:
         if not self.cache._wants_snapshot(self.graph, node, self._costs):

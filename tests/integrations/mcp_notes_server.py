@@ -7,6 +7,7 @@ what really ran upstream. Run: ``python mcp_notes_server.py`` (stdio).
 from __future__ import annotations
 
 import os
+import time
 
 from mcp.server import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -54,6 +55,28 @@ def names() -> list[str]:
     """The names of all notes, sorted."""
     log("call names")
     return sorted(NOTES)
+
+
+@server.tool(
+    title="Find notes",
+    annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False),
+    meta={"tests.tvcache/origin": "mcp_notes_server"},
+)
+def find(text: str, case_sensitive: bool = False) -> list[str]:
+    """The names of the notes that contain ``text``, sorted."""
+    # Declared with more than the other tools (a title, more annotations, _meta, parameters out of alphabetical
+    # order) so the proxy tests see it listed exactly as the server declares it.
+    log(f"call find {text}")
+    if case_sensitive:
+        return sorted(name for name, note in NOTES.items() if text in note)
+    return sorted(name for name, note in NOTES.items() if text.lower() in note.lower())
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True))
+def now() -> str:
+    """The server's clock (nanoseconds since the epoch): read-only and idempotent, yet never the same twice."""
+    log("call now")
+    return str(time.time_ns())
 
 
 if __name__ == "__main__":

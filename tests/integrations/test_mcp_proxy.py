@@ -6,6 +6,9 @@ import asyncio
 import functools
 import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
@@ -15,13 +18,21 @@ import pytest
 
 pytest.importorskip("mcp", reason="the 'mcp' extra is not installed: pip install 'tvcache[mcp]'")
 
+import mcp.types as types  # noqa: E402
 from mcp import Client, MCPError, StdioServerParameters  # noqa: E402
+from pydantic import BaseModel, ConfigDict  # noqa: E402
 
 from tvcache import Cache  # noqa: E402
-from tvcache.integrations.mcp_proxy import STATS_URI, CachingProxy, ProxySettings  # noqa: E402
+from tvcache.cache import NondeterminismWarning  # noqa: E402
+from tvcache.integrations.mcp_proxy import STATS_URI, CachingProxy, ProxySettings, open_proxy_cache  # noqa: E402
 
 HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
 UPSTREAM = [sys.executable, str(HERE / "mcp_notes_server.py")]
+NOTES_TOOLS = {"write", "append", "read", "names", "find", "now"}
+# The mechanics tests declare the notes tools deterministic, as a user who knows them would, so the first-hit
+# check of undeclared tools (tested on its own below) does not change what they count.
+DECLARED = frozenset(NOTES_TOOLS - {"now"})
 
 # Rollouts of one task, as an agent would make them: the first two agree, the third diverges late.
 ROLLOUT = [
@@ -68,7 +79,7 @@ async def uncached(calls: list[tuple[str, dict[str, Any]]]) -> list[Any]:
 async def through_proxy(proxy: CachingProxy, calls: list[tuple[str, dict[str, Any]]]) -> tuple[list[Any], dict]:
     async with Client(proxy.server, cache=None) as client:
         listed = await client.list_tools()
-        assert {tool.name for tool in listed.tools} == {"write", "append", "read", "names"}
+        assert {tool.name for tool in listed.tools} == NOTES_TOOLS
         results = [dump(await client.call_tool(name, args)) for name, args in calls]
         stats = await client.read_resource(STATS_URI)
         return results, json.loads(stats.contents[0].text)  # type: ignore[union-attr]
@@ -81,7 +92,7 @@ async def test_a_group_of_rollouts_hits_from_the_second_on_and_matches_the_uncac
     log.unlink()  # count only what the proxied rollouts run upstream
 
     cache = Cache()
-    settings = ProxySettings(command=UPSTREAM, task_id="notes-task")
+    settings = ProxySettings(command=UPSTREAM, task_id="notes-task", deterministic=DECLARED)
     first, stats1 = await through_proxy(CachingProxy(settings, cache), ROLLOUT)
     assert first == expected
     assert stats1["session"]["hits"] == 0
@@ -111,7 +122,7 @@ async def test_a_group_of_rollouts_hits_from_the_second_on_and_matches_the_uncac
 @synchronous
 async def test_read_only_calls_do_not_extend_the_path(log: Path) -> None:
     cache = Cache()
-    settings = ProxySettings(command=UPSTREAM, task_id="t")
+    settings = ProxySettings(command=UPSTREAM, task_id="t", deterministic=DECLARED)
     await through_proxy(CachingProxy(settings, cache), ROLLOUT[:3])  # write, read, append
     proxy = CachingProxy(settings, cache)
     results, stats = await through_proxy(proxy, [ROLLOUT[0], ROLLOUT[2]])  # write, append: no read between
@@ -136,10 +147,15 @@ async def test_tool_errors_and_unknown_tools(log: Path) -> None:
 
 
 def test_settings_need_a_command_and_derive_a_stable_task() -> None:
-    from tvcache.errors import TVCacheError
+    from tvcache.errors import InvalidInput, TVCacheError
 
     with pytest.raises(TVCacheError, match="after '--'"):
         ProxySettings(command=[])
+    with pytest.raises(InvalidInput, match="both --uncached and --deterministic"):
+        ProxySettings(command=["x"], uncached=frozenset({"a"}), deterministic=frozenset({"a", "b"}))
+    for rate in (-0.1, 1.5, float("nan")):
+        with pytest.raises(InvalidInput, match="--audit-rate must be between 0 and 1"):
+            ProxySettings(command=["x"], audit_rate=rate)
     one = ProxySettings(command=["python", "server.py"]).task
     assert one == ProxySettings(command=["python", "server.py"]).task
     assert one != ProxySettings(command=["python", "other.py"]).task
@@ -162,7 +178,8 @@ async def run_cli_proxy(command: list[str], calls: list[tuple[str, dict[str, Any
 async def test_cli_proxy_processes_share_a_durable_cache_directory(
     log: Path, tmp_path: Path, proxy_command: list[str]
 ) -> None:
-    command = [*proxy_command, "--task", "notes", "--cache", str(tmp_path / "cache"), "--", *UPSTREAM]
+    declared = [option for tool in sorted(DECLARED) for option in ("--deterministic", tool)]
+    command = [*proxy_command, "--task", "notes", "--cache", str(tmp_path / "cache"), *declared, "--", *UPSTREAM]
     expected = await uncached(ROLLOUT)
     first, _ = await run_cli_proxy(command, ROLLOUT)
     starts = len([e for e in upstream_events(log) if e.startswith("start")])
@@ -190,7 +207,7 @@ async def test_proxies_share_tvcache_serve_or_sharded_servers(log: Path, shards:
     try:
         urls = [thread.url for thread in threads]
         location = urls[0] if shards == 1 else urls
-        settings = ProxySettings(command=UPSTREAM, task_id="served-notes", cache=location)
+        settings = ProxySettings(command=UPSTREAM, task_id="served-notes", cache=location, deterministic=DECLARED)
         expected = await uncached(ROLLOUT)
         first_cache, second_cache = open_cache(location), open_cache(location)  # two rollout workers
         first, _ = await through_proxy(CachingProxy(settings, first_cache), ROLLOUT)
@@ -206,3 +223,174 @@ async def test_proxies_share_tvcache_serve_or_sharded_servers(log: Path, shards:
             thread.__exit__(None, None, None)
         for service in services:
             service.close()
+
+
+# ---------------------------------------------------------------- listings pass through, field for field
+
+HANDSHAKE_ERA = "2025-11-25"  # the initialize-handshake protocol the npm servers speak
+MODERN_ERA = types.LATEST_PROTOCOL_VERSION  # what the Python SDK (the notes server, the proxy) speaks by default
+
+
+@pytest.fixture(scope="session")
+def npm_servers() -> Path:
+    """The npm MCP servers at the versions scripts/install-mcp-servers.sh pins (installed once, then cached)."""
+    missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed: the npm MCP servers (older protocol era) cannot run")
+    script = ROOT / "scripts" / "install-mcp-servers.sh"
+    done = subprocess.run([str(script)], capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        pytest.fail(f"{script} failed (exit {done.returncode}):\n{done.stderr}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def npm_server(npm_servers: Path, name: str, tmp_path: Path) -> list[str]:
+    entry = npm_servers / "node_modules" / "@modelcontextprotocol" / f"server-{name}" / "dist" / "index.js"
+    return ["node", str(entry), *([str(tmp_path)] if name == "filesystem" else [])]
+
+
+class Verbatim(BaseModel):
+    """A result as the JSON that was sent (the SDK's typed models drop the fields they lack)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+async def listing(client: Client) -> tuple[str, list[Any], list[Any]]:
+    """What a client gets from tools/list: the negotiated version, the tools as sent, the tools as typed."""
+    sent = await client.session.send_request(types.ListToolsRequest(params=None), Verbatim)
+    assert (sent.model_extra or {}).get("nextCursor") is None, "these servers list their tools on one page"
+    typed = await client.list_tools()
+    version = client.session.protocol_version
+    assert version is not None
+    return version, (sent.model_extra or {})["tools"], [dump(tool) for tool in typed.tools]
+
+
+def same_json(proxied: list[Any], upstream: list[Any]) -> None:
+    """The whole JSON of every tool, member order included (it is the order a model reads the arguments in)."""
+    assert [tool["name"] for tool in proxied] == [tool["name"] for tool in upstream]
+    for ours, theirs in zip(proxied, upstream, strict=True):
+        assert json.dumps(ours) == json.dumps(theirs), f"tool {theirs['name']!r} is listed differently"
+
+
+@pytest.mark.parametrize("client_era", [MODERN_ERA, HANDSHAKE_ERA])
+@pytest.mark.parametrize("upstream", ["notes", "memory"])
+@synchronous
+async def test_the_proxy_lists_the_upstreams_tools_as_the_upstream_does_in_both_protocol_eras(
+    upstream: str, client_era: str, log: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: Any
+) -> None:
+    if upstream == "notes":
+        command, upstream_era = UPSTREAM, MODERN_ERA
+    else:
+        command, upstream_era = npm_server(request.getfixturevalue("npm_servers"), upstream, tmp_path), HANDSHAKE_ERA
+        monkeypatch.setenv("MEMORY_FILE_PATH", str(tmp_path / "memory.jsonl"))
+    parameters = StdioServerParameters(command=command[0], args=command[1:], env=dict(os.environ))
+    async with Client(parameters, cache=None) as direct:  # as the proxy's own upstream link negotiates
+        version, sent, typed = await listing(direct)
+    assert version == upstream_era, f"the {upstream} server no longer speaks {upstream_era}: repin it"
+    if upstream == "memory":  # what issue 19 saw lost: a 2025-11-25 field a 2026-07-28 client never had
+        assert all(tool["execution"] == {"taskSupport": "forbidden"} for tool in sent)
+
+    cache = Cache()
+    settings = ProxySettings(command=command, task_id=f"listing-{upstream}")
+    mode = "legacy" if client_era == HANDSHAKE_ERA else "auto"
+    for connection in range(2):  # the first lists upstream, the second from the cache
+        proxy = CachingProxy(settings, cache)
+        async with Client(proxy.server, cache=None, mode=mode) as client:
+            proxied_version, proxied_sent, proxied_typed = await listing(client)
+        assert proxied_version == client_era
+        same_json(proxied_sent, sent)
+        assert proxied_typed == typed  # and what the SDK client makes of it
+        assert proxy.upstream_starts == (1 if connection == 0 else 0)
+    cache.close()
+
+
+@synchronous
+async def test_the_cli_proxy_passes_an_older_era_servers_tools_through_stdio(
+    npm_servers: Path, tmp_path: Path, proxy_command: list[str]
+) -> None:
+    upstream = npm_server(npm_servers, "filesystem", tmp_path)
+    direct_parameters = StdioServerParameters(command=upstream[0], args=upstream[1:], env=dict(os.environ))
+    async with Client(direct_parameters, cache=None) as direct:
+        version, sent, typed = await listing(direct)
+    assert version == HANDSHAKE_ERA
+    assert any("execution" in tool for tool in sent)
+    command = [*proxy_command, "--task", "fs", "--cache", str(tmp_path / "cache"), "--", *upstream]
+    parameters = StdioServerParameters(command=command[0], args=command[1:], env=dict(os.environ))
+    async with Client(parameters, cache=None) as client:
+        proxied_version, proxied_sent, proxied_typed = await listing(client)
+    assert proxied_version == MODERN_ERA
+    same_json(proxied_sent, sent)
+    assert proxied_typed == typed
+
+
+# ---------------------------------------------------------------- what annotations mean for caching; audits
+
+CLOCK = [("write", {"name": "todo", "text": "buy milk"}), ("read", {"name": "todo"}), ("now", {})]
+
+
+@synchronous
+async def test_no_annotation_makes_a_tool_deterministic_so_each_tools_first_hit_in_a_task_is_checked(
+    log: Path,
+) -> None:
+    # `now` is annotated readOnlyHint and idempotentHint, as mcp-server-time's get_current_time is: read-only,
+    # so keyed by the state it reads, but not deterministic. Nothing is declared, so every tool is checked once.
+    cache = Cache()
+    settings = ProxySettings(command=UPSTREAM, task_id="clock")
+    first, _ = await through_proxy(CachingProxy(settings, cache), CLOCK)
+    with pytest.warns(NondeterminismWarning, match="tool 'now' is non-deterministic in task 'clock'"):
+        second, stats = await through_proxy(CachingProxy(settings, cache), CLOCK)
+    assert second[:2] == first[:2] == await uncached(CLOCK[:2])
+    assert second[2] != first[2], "a clock's second reading was served from cache"
+    assert stats["session"]["verified"] == 2  # write and read executed again, agreeing
+    assert stats["session"]["uncached"] == 1  # now: executed again, disagreeing, so answered fresh
+    assert [(mark.tool, mark.task_id) for mark in cache.nondeterministic_marks()] == [("now", "clock")]
+    third, stats = await through_proxy(CachingProxy(settings, cache), CLOCK)
+    assert third[2] not in (first[2], second[2])  # marked: never served from cache in this task again
+    assert stats["session"]["hits"] == 3  # the listing, write and read: checked once, then served
+    cache.close()
+
+
+@synchronous
+async def test_the_audit_rate_reaches_the_cache_and_audits_hits_in_a_fresh_upstream(log: Path) -> None:
+    settings = ProxySettings(command=UPSTREAM, task_id="audited", audit_rate=1.0, deterministic=DECLARED)
+    cache = open_proxy_cache(settings)
+    assert isinstance(cache, Cache)
+    assert cache.audit_rate == 1.0
+    rollout = ROLLOUT[:2]
+    await through_proxy(CachingProxy(settings, cache), rollout)
+    proxy = CachingProxy(settings, cache)
+    _, stats = await through_proxy(proxy, rollout)  # the connection closes once its audits are done
+    assert stats["session"]["hits"] == 1 + len(rollout)
+    assert cache.stats().audits == 1 + len(rollout)
+    assert cache.stats().audit_disagreements == 0
+    assert proxy.upstream_starts == 1 + len(rollout)  # the rollout needed none: each audit starts its own
+    cache.close()
+
+
+def test_the_cli_takes_the_audit_rate_and_declarations(capsys: pytest.CaptureFixture[str]) -> None:
+    from tvcache import cli
+
+    args = cli.build_parser().parse_args(
+        ["mcp-proxy", "--audit-rate", "0.25", "--deterministic", "a", "--uncached", "b", "--", "server"]
+    )
+    assert (args.audit_rate, args.deterministic, args.uncached) == (0.25, ["a"], ["b"])
+    assert cli.main(["mcp-proxy", "--audit-rate", "2", "--", "server"]) == 2
+    assert "--audit-rate must be between 0 and 1, got 2.0" in capsys.readouterr().err
+
+
+@synchronous
+async def test_an_upstream_that_dies_under_a_call_fails_it_uncached(log: Path) -> None:
+    # The SDK answers a request whose connection closed with a CONNECTION_CLOSED error: that is no answer of the
+    # upstream's, and caching it would serve "Connection closed" to every later rollout making the call.
+    cache = Cache()
+    settings = ProxySettings(command=UPSTREAM, task_id="crash", deterministic=DECLARED)
+    async with Client(CachingProxy(settings, cache).server, cache=None) as client:
+        await client.call_tool(*ROLLOUT[0])
+        (pid,) = [int(event.split()[1]) for event in upstream_events(log) if event.startswith("start")]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(MCPError, match="closed the connection during ToolCall\\('read'"):
+            await client.call_tool(*ROLLOUT[1])
+    results, stats = await through_proxy(CachingProxy(settings, cache), ROLLOUT[:2])
+    assert results == await uncached(ROLLOUT[:2])
+    assert stats["session"]["hits"] == 2  # the listing and the write; the read was never cached
+    cache.close()

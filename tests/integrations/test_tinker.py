@@ -66,7 +66,9 @@ def test_group_of_harbor_rollouts_hits_and_matches_uncached(task: Path) -> None:
         assert expected_bad[1][0] == 0.0
         assert json.loads(expected_good[0][3][0])["stdout"] == "Hello, world!"
 
-        cache = Cache()
+        # These commands are deterministic; the first-hit check of the (undeclared) tinker tools would start a
+        # real sandbox for the all-hit rollout, which this test pins as never created: turn it off.
+        cache = Cache(verify_undeclared=False)
         factory = CachingSandboxFactory(inner=overlay_sandbox.overlay_sandbox_factory, cache=cache)
         started = len(overlay_sandbox.STARTED)
         sandboxes = [await factory(env_dir, 60) for _ in range(3)]
@@ -99,7 +101,9 @@ def test_against_a_server_with_one_setting(task: Path) -> None:
     async def scenario(url: str) -> None:
         expected = await episode(await overlay_sandbox.overlay_sandbox_factory(task, 60), GOOD, task / "tests")
         for round in range(2):
-            factory = CachingSandboxFactory.open(inner=overlay_sandbox.overlay_sandbox_factory, cache=url)
+            factory = CachingSandboxFactory.open(  # checks off: the hits are counted (see above)
+                inner=overlay_sandbox.overlay_sandbox_factory, cache=url, verify_undeclared=False
+            )
             sandbox = await factory(task / "environment", 60)
             assert await episode(sandbox, GOOD, task / "tests") == expected
             assert sandbox.session.stats.hits == (4 if round else 0)

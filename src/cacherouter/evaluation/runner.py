@@ -16,7 +16,7 @@ import json
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,8 @@ from ..router import Router, RouterConfig
 from ..session import Session
 from ..tokens import Tokenizer, default_tokenizer
 from .longtail import LONGTAIL, generate_repository
+from .mcp_workload import INITIAL as MCP_INITIAL
+from .mcp_workload import MCP_QUERIES, prepare_workspace, upstream_configs
 from .suite import CORE_PACKAGES, DIALOGUE, SUITE, Query
 
 ARCHITECTURES = ("cacherouter", "all-tools", "dynamic")
@@ -195,20 +197,44 @@ def run_workload(
     *,
     tokenizer: Tokenizer | None = None,
     repo: Path = EVAL_REPO,
+    mcp_servers: bool = False,
 ) -> RunResult:
-    """Run ``queries`` under ``architecture`` on a fresh copy of ``repo`` and a fresh DeepSeek cache model."""
+    """Run ``queries`` under ``architecture`` on a fresh copy of ``repo`` and a fresh DeepSeek cache model.
+
+    With ``mcp_servers``, the real MCP servers of :mod:`.mcp_workload` join the registry (the initial ones at the
+    start, the others as the queries' ``join:``/``leave:`` events say), working in a fresh workspace.
+    """
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; choose from {ARCHITECTURES}")
     tokenizer = tokenizer or default_tokenizer()
     with tempfile.TemporaryDirectory(prefix="cacherouter-eval-") as tmp:
         root = Path(tmp) / "repo"
         shutil.copytree(repo, root, ignore=shutil.ignore_patterns("__pycache__"))
-        config = GatewayConfig(root=root, tool_timeout=30.0)
+        active: set[str] = set()
+        workspace = Path(tmp) / "workspace"
+        if mcp_servers:
+            prepare_workspace(workspace)
+            active = set(MCP_INITIAL)
+        config = GatewayConfig(
+            root=root, tool_timeout=30.0, upstreams=upstream_configs(workspace, tuple(active)) if active else ()
+        )
         state: dict[str, Any] = {"gateway": Gateway(config)}
 
         def gateway() -> Gateway:
             gw: Gateway = state["gateway"]
             return gw
+
+        def handle(event: str) -> None:
+            kind, _, server = event.partition(":")
+            if event == "restart":
+                gateway().close()
+                upstreams = upstream_configs(workspace, tuple(active)) if active else ()
+                state["gateway"] = Gateway(replace(config, upstreams=upstreams))
+            elif kind in ("join", "leave"):
+                (active.add if kind == "join" else active.discard)(server)
+                gateway().set_upstreams(upstream_configs(workspace, tuple(active)))
+            else:
+                apply_event(event, root)
 
         ledger = Ledger()
         cache = DeepSeekCacheModel()  # one account: main and router requests share the provider's cache
@@ -236,11 +262,7 @@ def run_workload(
             session = Session(view=view)
             for query in queries:
                 for event in query.events:
-                    if event == "restart":
-                        gateway().close()
-                        state["gateway"] = Gateway(config)
-                    else:
-                        apply_event(event, root)
+                    handle(event)
                 router_config = RouterConfig(enabled=query.router != "off", filtering=query.router != "nofilter")
                 router = Router(gateway(), router_model, core_tools=frozenset(view.core_tools), config=router_config)
                 agent = Agent(gateway=gateway(), main_model=main, router=router, config=AgentConfig(tool_timeout=30.0))
@@ -261,11 +283,7 @@ def run_workload(
             baseline = _Baseline(gateway=gateway, model=main, tools_for=tools_for)
             for query in queries:
                 for event in query.events:
-                    if event == "restart":
-                        gateway().close()
-                        state["gateway"] = Gateway(config)
-                    else:
-                        apply_event(event, root)
+                    handle(event)
                 baseline.ask(query)
         problems = tuple(p.path for p in gateway().registry.problems)
         gateway().close()
@@ -290,8 +308,11 @@ WORKLOADS: dict[str, tuple[Query, ...]] = {
     "longtail": LONGTAIL,
     # The same 30 turns over the 211-tool registry: what the dialogue costs when the tool list is large.
     "dialogue-211": DIALOGUE,
+    # The evaluation repository plus the tools of five real MCP servers, joining and leaving mid-run.
+    "mcp": MCP_QUERIES,
 }
 _ON_LONGTAIL_REPOSITORY = frozenset({"longtail", "dialogue-211"})
+_WITH_MCP_SERVERS = frozenset({"mcp"})
 
 
 def run_all(
@@ -308,8 +329,10 @@ def run_all(
                 repo = Path(tmp) / "repo"
                 if not repo.exists():
                     generate_repository(EVAL_REPO, repo)
+            mcp_servers = workload in _WITH_MCP_SERVERS
             results += [
-                run_workload(a, workload, WORKLOADS[workload], tokenizer=tokenizer, repo=repo) for a in architectures
+                run_workload(a, workload, WORKLOADS[workload], tokenizer=tokenizer, repo=repo, mcp_servers=mcp_servers)
+                for a in architectures
             ]
     return results
 

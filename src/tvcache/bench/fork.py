@@ -105,3 +105,95 @@ def run(
         Path(json_path).write_text(json.dumps(figures, indent=2))
         print(f"wrote {json_path}")
     return figures
+
+
+# ----------------------------------------------------------------- --docker: one image, three ways to fork
+
+
+async def _measure_docker(image: str, repeats: int, engine_repeats: int, scratch: Path) -> dict[str, Any]:
+    from ..errors import SnapshotDeclined
+    from ..sandboxes import DockerSandbox, ShellSandbox
+
+    write = ToolCall("sh", {"cmd": "echo changed > /root/changed.txt"})
+    overlay = ShellSandbox.from_image(image, store_root=scratch / "layers")
+    origin = await overlay.start()
+    await origin.execute(write)
+    snapshot = await origin.snapshot(scratch / "overlay-snapshot")
+    forks = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        sandbox = await overlay.fork(snapshot)
+        forks.append(time.perf_counter() - began)
+        await sandbox.stop()
+    await origin.stop()
+    overlay.close()
+
+    engine = DockerSandbox.factory(image)
+    container = await engine.start()
+    await container.execute(write)
+    commit_runs, runs = [], []
+    for index in range(engine_repeats):
+        began = time.perf_counter()
+        committed = await container.snapshot(scratch / f"commit-{index}")
+        middle = time.perf_counter()
+        forked = await engine.fork(committed)
+        commit_runs.append(time.perf_counter() - began)
+        runs.append(time.perf_counter() - middle)
+        await forked.stop()
+        engine.discard(committed)
+    await container.stop()
+    engine.close()
+    result: dict[str, Any] = {
+        "image": image,
+        "image_overlay_fork": _stats(forks),
+        "docker_commit_run": _stats(commit_runs),
+        "docker_run_from_commit": _stats(runs),
+        "docker_checkpoint_restore": None,
+    }
+
+    checkpointing = DockerSandbox.factory(image, checkpoint=True)
+    container = await checkpointing.start()
+    await container.execute(write)
+    try:
+        checkpoint = await container.snapshot(scratch / "checkpoint")
+    except SnapshotDeclined as declined:
+        result["checkpoint_declined"] = str(declined)
+    else:
+        restores = []
+        for _ in range(engine_repeats):
+            began = time.perf_counter()
+            restored = await checkpointing.fork(checkpoint)
+            restores.append(time.perf_counter() - began)
+            await restored.stop()
+        checkpointing.discard(checkpoint)
+        result["docker_checkpoint_restore"] = _stats(restores)
+    await container.stop()
+    checkpointing.close()
+    return result
+
+
+def run_docker(
+    *, image: str = "tvcache-base:bookworm", repeats: int = 200, engine_repeats: int = 10, json_path: str | None = None
+) -> dict[str, Any]:
+    """Image-overlay fork next to docker commit + run and docker checkpoint restore, on one image, in one run."""
+    with overlay_scratch("fork-docker") as scratch:
+        row = asyncio.run(_measure_docker(image, repeats, engine_repeats, scratch))
+    overlay = row["image_overlay_fork"]
+    print(f"image {image}; load average {os.getloadavg()[0]:.2f}")
+    print(f"{'fork by':<34} | {'p50':>9} | {'p95':>9} | vs image-overlay p50")
+    lines = [
+        ("image-overlay fork (ShellSandbox)", overlay),
+        ("docker commit + run", row["docker_commit_run"]),
+        ("  of which docker run", row["docker_run_from_commit"]),
+        ("docker checkpoint restore", row["docker_checkpoint_restore"]),
+    ]
+    for label, stats in lines:
+        if stats is None:
+            print(f"{label:<34} | declined: {row.get('checkpoint_declined', 'not measured')[:120]}")
+            continue
+        ratio = stats["p50_ms"] / overlay["p50_ms"]
+        print(f"{label:<34} | {stats['p50_ms']:>6.2f} ms | {stats['p95_ms']:>6.2f} ms | {ratio:>9,.0f}x")
+    if json_path:
+        Path(json_path).write_text(json.dumps(row, indent=2))
+        print(f"wrote {json_path}")
+    return row

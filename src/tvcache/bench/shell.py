@@ -2,9 +2,16 @@
 
 Measured side by side in one run (root; overlay mounts):
 
-* ``latency``: ``execute`` of ``true``, ``echo x > f`` and ``cat f`` in a ``ShellSandbox`` (confined, overlay)
-  and a ``FolderSandbox`` (a plain ``bash -c`` in a folder), calls interleaved, back to back and with think
-  time between calls (as between an agent's tool calls); p50/p95 and the shell/folder ratio;
+* ``latency``: ``execute`` of ``true``, ``echo x > f`` and ``cat f`` in a ``ShellSandbox`` (confined, overlay,
+  one ``bash -c`` per command), a persistent ``ShellSandbox`` (the same confinement, one long-lived bash over a
+  pty) and a ``FolderSandbox`` (a plain ``bash -c`` in a folder), calls interleaved, back to back and with think
+  time between calls (as between an agent's tool calls); p50/p95, the shell/folder and persistent/shell ratios;
+* ``persistent forks``: a persistent shell that ran a history (cd, variables, a function, an alias, files) is
+  snapshotted by the shell-state route; forking it (until its first command answers) next to replaying the same
+  history in a fresh persistent shell, and the snapshot itself; p50/p95 and the snapshot routes taken;
+* ``persistent CRIU forks``: the same history plus a background ``python3 -m http.server`` (started, then waited
+  for until it answers), snapshotted by the CRIU route (where a working CRIU exists): fork next to replay, and
+  the snapshot (dump, freeze, and the sandbox's own restore);
 * ``breakdown``: process creation from this (large) Python process, each namespace's ``unshare`` and teardown,
   each confinement step (timed inside a child that is PID 1 of a new PID namespace, as commands are), bash
   startup, and the proof digests of the upper layer;
@@ -51,8 +58,13 @@ async def _latency(base: Path, scratch: Path, repeats: int, gap: float) -> dict[
     from ..sandboxes import FolderSandbox, ShellSandboxFactory
 
     shell = ShellSandboxFactory(base, store_root=scratch / "layers")
+    persistent = ShellSandboxFactory(base, store_root=scratch / "layers-persistent", persistent=True)
     folder = FolderSandbox.factory(base)
-    sandboxes: dict[str, Sandbox] = {"shell": await shell.start(), "folder": await folder.start()}
+    sandboxes: dict[str, Sandbox] = {
+        "shell": await shell.start(),
+        "persistent": await persistent.start(),
+        "folder": await folder.start(),
+    }
     await asyncio.sleep(0.2)  # the zygote boots and readies its spares
     samples: dict[tuple[str, str], list[float]] = {}
     for _ in range(repeats):
@@ -66,24 +78,168 @@ async def _latency(base: Path, scratch: Path, repeats: int, gap: float) -> dict[
     for sandbox in sandboxes.values():
         await sandbox.stop()
     shell.close()
+    persistent.close()
     folder.close()
     rows: dict[str, Any] = {}
     for command in COMMANDS:
         row: dict[str, Any] = {name: _stats(samples[(name, command)]) for name in sandboxes}
         row["shell_over_folder_p50"] = row["shell"]["p50_ms"] / row["folder"]["p50_ms"]
+        row["persistent_over_shell_p50"] = row["persistent"]["p50_ms"] / row["shell"]["p50_ms"]
         rows[command] = row
     return rows
 
 
 def _print_latency(gap_ms: float, rows: dict[str, Any]) -> None:
     print(f"\nper-command latency, {'back to back' if not gap_ms else f'{gap_ms:g} ms between calls'}")
-    print(f"  {'command':<12} | {'shell p50/p95 ms':>17} | {'folder p50/p95 ms':>17} | shell/folder")
+    print(
+        f"  {'command':<12} | {'one-shot p50/p95 ms':>19} | {'persistent p50/p95':>19} | {'folder p50/p95 ms':>17} "
+        "| shell/folder | persistent/one-shot"
+    )
     for command, row in rows.items():
-        shell, folder = row["shell"], row["folder"]
+        shell, persistent, folder = row["shell"], row["persistent"], row["folder"]
         print(
-            f"  {command:<12} | {shell['p50_ms']:>7.2f} / {shell['p95_ms']:>7.2f} | "
-            f"{folder['p50_ms']:>7.2f} / {folder['p95_ms']:>7.2f} | {row['shell_over_folder_p50']:>6.2f}x"
+            f"  {command:<12} | {shell['p50_ms']:>8.3f} / {shell['p95_ms']:>8.3f} | "
+            f"{persistent['p50_ms']:>8.3f} / {persistent['p95_ms']:>8.3f} | "
+            f"{folder['p50_ms']:>7.2f} / {folder['p95_ms']:>7.2f} | {row['shell_over_folder_p50']:>11.2f}x | "
+            f"{row['persistent_over_shell_p50']:>18.3f}x"
         )
+
+
+# ------------------------------------------------------------------------------- persistent forks
+
+FORK_HISTORY = (
+    "mkdir -p src/lib && cd src",
+    "export CFLAGS=-O0 MODE=debug; COUNT=3",
+    "build() { echo building $1 with $CFLAGS; }",
+    "alias ll='ls -1'",
+    "echo 'int main(void) { return 0; }' > main.c",
+    "build main.c; ll",
+    "cd lib; pushd .. >/dev/null",
+    "shopt -s nullglob; set -o noclobber; umask 027",
+)
+
+
+async def _persistent_forks(base: Path, scratch: Path, repeats: int, gap: float) -> dict[str, Any]:
+    """Fork of a shell-state snapshot next to a replay of the same history, each until ``true`` answers."""
+    from ..sandboxes import ShellSandboxFactory
+
+    factory = ShellSandboxFactory(base, store_root=scratch / "layers-forks", persistent=True)
+    calls = [ToolCall("sh", {"cmd": command}) for command in FORK_HISTORY]
+    probe = ToolCall("sh", {"cmd": "true"})
+    origin = await factory.start()
+    for call in calls:
+        await origin.execute(call)
+    samples: dict[str, list[float]] = {"snapshot (shell state)": [], "fork (shell state)": [], "replay": []}
+    snapshots = []
+    for index in range(repeats):
+        began = time.perf_counter()
+        snapshots.append(await origin.snapshot(scratch / "persistent-snaps" / f"s{index}"))
+        samples["snapshot (shell state)"].append(time.perf_counter() - began)
+        await origin.execute(probe)
+    snapshot = snapshots[-1]
+    await asyncio.sleep(0.2)
+    for _ in range(repeats):
+        for name in ("fork (shell state)", "replay"):
+            if gap:
+                await asyncio.sleep(gap)
+            began = time.perf_counter()
+            if name == "replay":
+                sandbox = await factory.start()
+                for call in calls:
+                    await sandbox.execute(call)
+            else:
+                sandbox = await factory.fork(snapshot)
+            await sandbox.execute(probe)
+            samples[name].append(time.perf_counter() - began)
+            await sandbox.stop()
+    await origin.stop()
+    for each in snapshots:
+        factory.discard(each)
+    routes = factory.route_counts()
+    factory.close()
+    rows: dict[str, Any] = {name: _stats(values) for name, values in samples.items()}
+    rows["replay_over_fork_p50"] = rows["replay"]["p50_ms"] / rows["fork (shell state)"]["p50_ms"]
+    rows["history_calls"] = len(calls)
+    rows["routes"] = routes
+    return rows
+
+
+SERVER_STEP = (
+    "python3 -m http.server -b 127.0.0.1 8000 >/dev/null 2>&1 & "
+    "until python3 -c 'import urllib.request as u; u.urlopen(\"http://127.0.0.1:8000/\")' 2>/dev/null; "
+    "do sleep 0.02; done"
+)
+
+
+async def _criu_forks(base: Path, scratch: Path, repeats: int, gap: float) -> dict[str, Any]:
+    """Fork of a CRIU snapshot (a shell with one background HTTP server) next to replaying the same history
+    (which starts the server and waits until it answers), each until ``true`` answers."""
+    from ..sandboxes import ShellSandboxFactory
+    from ..sandboxes.criu import criu_unavailable_reason, find_criu
+
+    if find_criu(warn=False) is None:
+        return {"skipped": f"no working CRIU: {criu_unavailable_reason()} (make criu)"}
+    factory = ShellSandboxFactory(base, store_root=scratch / "layers-criu", persistent=True)
+    calls = [ToolCall("sh", {"cmd": command}) for command in (*FORK_HISTORY, SERVER_STEP)]
+    probe = ToolCall("sh", {"cmd": "true"})
+    origin = await factory.start()
+    for call in calls:
+        await origin.execute(call)
+    samples: dict[str, list[float]] = {"snapshot (CRIU)": [], "fork (CRIU)": [], "replay (server)": []}
+    snapshots = []
+    for index in range(repeats):
+        began = time.perf_counter()
+        snapshots.append(await origin.snapshot(scratch / "criu-snaps" / f"s{index}"))
+        samples["snapshot (CRIU)"].append(time.perf_counter() - began)
+        await origin.execute(probe)
+    snapshot = snapshots[-1]
+    for _ in range(repeats):
+        for name in ("fork (CRIU)", "replay (server)"):
+            if gap:
+                await asyncio.sleep(gap)
+            began = time.perf_counter()
+            if name == "replay (server)":
+                sandbox = await factory.start()
+                for call in calls:
+                    await sandbox.execute(call)
+            else:
+                sandbox = await factory.fork(snapshot)
+            await sandbox.execute(probe)
+            samples[name].append(time.perf_counter() - began)
+            await sandbox.stop()
+    await origin.stop()
+    for each in snapshots:
+        factory.discard(each)
+    routes = factory.route_counts()
+    factory.close()
+    rows: dict[str, Any] = {name: _stats(values) for name, values in samples.items()}
+    rows["replay_over_fork_p50"] = rows["replay (server)"]["p50_ms"] / rows["fork (CRIU)"]["p50_ms"]
+    rows["history_calls"] = len(calls)
+    rows["image_mb"] = snapshot.meta["shell"]["image_bytes"] / 1e6
+    rows["routes"] = routes
+    return rows
+
+
+def _print_criu_forks(rows: dict[str, Any]) -> None:
+    if "skipped" in rows:
+        print(f"\npersistent shell, CRIU route: skipped ({rows['skipped']})")
+        return
+    print(
+        f"\npersistent shell with one background HTTP server: fork of a CRIU snapshot "
+        f"({rows['image_mb']:.1f} MB image) vs replaying its {rows['history_calls']} calls"
+    )
+    for name in ("snapshot (CRIU)", "fork (CRIU)", "replay (server)"):
+        row = rows[name]
+        print(f"  {name:<28} {row['p50_ms']:>7.2f} / {row['p95_ms']:>7.2f} ms (p50 / p95)")
+    print(f"  {'replay/fork':<28} {rows['replay_over_fork_p50']:>7.2f}x   routes: {rows['routes']}")
+
+
+def _print_forks(rows: dict[str, Any]) -> None:
+    print(f"\npersistent shell: fork of a shell-state snapshot vs replaying its {rows['history_calls']} calls")
+    for name in ("snapshot (shell state)", "fork (shell state)", "replay"):
+        row = rows[name]
+        print(f"  {name:<28} {row['p50_ms']:>7.2f} / {row['p95_ms']:>7.2f} ms (p50 / p95)")
+    print(f"  {'replay/fork':<28} {rows['replay_over_fork_p50']:>7.2f}x   routes: {rows['routes']}")
 
 
 # ---------------------------------------------------------------------------------------- breakdown
@@ -319,6 +475,12 @@ def run(
             rows = asyncio.run(_latency(base, scratch, repeats, gap_ms / 1000))
             figures["latency"][f"gap_{gap_ms:g}ms"] = rows
             _print_latency(gap_ms, rows)
+        forks = asyncio.run(_persistent_forks(base, scratch, max(3, repeats // 4), gaps_ms[-1] / 1000))
+        figures["persistent forks"] = forks
+        _print_forks(forks)
+        criu_forks = asyncio.run(_criu_forks(base, scratch, max(3, repeats // 10), gaps_ms[-1] / 1000))
+        figures["persistent CRIU forks"] = criu_forks
+        _print_criu_forks(criu_forks)
         if breakdown:
             figures["paths"] = {f"gap_{gap:g}ms": _paths(base, scratch, repeats, gap / 1000) for gap in gaps_ms}
             print("\nconfined start of `bash -c true`, before and now (p50 / p95 ms)")

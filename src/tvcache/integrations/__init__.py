@@ -2,11 +2,18 @@
 
 One module per framework, each behind its own optional extra and imported lazily:
 
+- ``tvcache.integrations.original`` — the original TVCache release's ``ToolCallEnv`` / ``ToolCall`` classes as a
+  sandbox factory, with an executor of the released executors' shape (no extra needed);
 - ``tvcache.integrations.mcp_proxy`` — ``tvcache mcp-proxy -- CMD``: a caching MCP server in front of any MCP
   server (``pip install 'tvcache[mcp]'``);
 - ``tvcache.integrations.skyrl`` — SkyRL-gym ``BaseTextEnv`` wrapper, text2sql preset (``tvcache[skyrl]``);
 - ``tvcache.integrations.tinker`` — a tinker-cookbook ``SandboxFactory`` of caching sandboxes (``tvcache[tinker]``);
-- ``tvcache.integrations.verl`` — a veRL ``BaseTool`` wrapper and agent loop (``tvcache[verl]``).
+- ``tvcache.integrations.verl`` — a veRL ``BaseTool`` wrapper and agent loop (``tvcache[verl]``);
+- ``tvcache.integrations.harbor`` — a caching Harbor ``BaseEnvironment`` over any environment type, and one on
+  overlay shell sandboxes with no engine (``tvcache[harbor]``, Python >= 3.12);
+- ``tvcache.integrations.mini_swe_agent`` — a caching mini-swe-agent ``Environment`` (``tvcache[mini-swe-agent]``);
+- ``tvcache.integrations.swerex`` — a SWE-ReX deployment and runtime whose bash sessions go through the cache
+  (``tvcache[swe-rex]``).
 
 Each adapter takes one ``cache`` setting (``tvcache.integrations.open_cache``): None or a directory for an embedded
 cache, a URL for ``tvcache serve``, a list of URLs for sharded servers.

@@ -47,19 +47,32 @@ actors in the driver's namespace, those shards), a directory (durable, embedded)
 open cache."""
 
 
-def open_cache(where: CacheLocation, *, token: str | None = None, tools: Iterable[ToolSpec] = ()) -> CacheLike:
-    """Open the cache ``where`` names (see ``CacheLocation``). An open cache is returned as it is."""
+def open_cache(
+    where: CacheLocation,
+    *,
+    token: str | None = None,
+    tools: Iterable[ToolSpec] = (),
+    audit_rate: float = 0.0,
+    verify_undeclared: bool = True,
+) -> CacheLike:
+    """Open the cache ``where`` names (see ``CacheLocation``). An open cache is returned as it is (it keeps the
+    settings it was made with). ``audit_rate``: the fraction of hits re-executed in a fresh sandbox and compared;
+    ``verify_undeclared``: check the first hit of each undeclared tool per task (see ``tvcache.Cache``)."""
+    if not 0.0 <= audit_rate <= 1.0:
+        raise InvalidInput(f"audit_rate must be between 0 and 1, got {audit_rate}")
+    checks: dict[str, Any] = {"audit_rate": audit_rate}
     if where is None:
         # Inside a Ray cluster whose namespace runs tvcache shard actors (veRL and SkyRL run on Ray), use them.
-        return _ray_cluster_cache(None, tools) or Cache(tools=tools)
+        cluster = _ray_cluster_cache(None, tools, checks)
+        return _checking(cluster or Cache(tools=tools, **checks), verify_undeclared)
     if isinstance(where, str) and where.startswith("ray://"):
-        cache = _ray_cluster_cache(where.removeprefix("ray://") or None, tools, required=True)
+        cache = _ray_cluster_cache(where.removeprefix("ray://") or None, tools, checks, required=True)
         assert cache is not None
-        return cache
+        return _checking(cache, verify_undeclared)
     if isinstance(where, str) and where.startswith(("http://", "https://")):
-        return _remote([where], token=token, tools=tools)
+        return _checking(_remote([where], token=token, tools=tools, checks=checks), verify_undeclared)
     if isinstance(where, str | os.PathLike):
-        return Cache(Path(where), tools=tools)
+        return _checking(Cache(Path(where), tools=tools, **checks), verify_undeclared)
     if isinstance(where, Sequence):
         urls = list(where)
         if not urls or not all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in urls):
@@ -67,11 +80,23 @@ def open_cache(where: CacheLocation, *, token: str | None = None, tools: Iterabl
                 f"cache location {where!r:.200} is not understood; give None (in memory), a directory, an "
                 "http(s):// URL of `tvcache serve`, or a non-empty list of such URLs (sharded servers)"
             )
-        return _remote(urls, token=token, tools=tools)
+        return _checking(_remote(urls, token=token, tools=tools, checks=checks), verify_undeclared)
     return where  # an open cache
 
 
-def _ray_cluster_cache(namespace: str | None, tools: Iterable[ToolSpec], *, required: bool = False) -> CacheLike | None:
+def _checking(cache: CacheLike, verify_undeclared: bool) -> CacheLike:
+    """Set the first-hit check on ``cache``, or on each shard's cache behind a router (checks run where the
+    sessions run: in this process)."""
+    shards = getattr(cache, "shards", None)
+    for each in [cache, *(shards.values() if isinstance(shards, Mapping) else ())]:
+        if isinstance(each, Cache):
+            each.verify_undeclared = verify_undeclared
+    return cache
+
+
+def _ray_cluster_cache(
+    namespace: str | None, tools: Iterable[ToolSpec], checks: Mapping[str, Any], *, required: bool = False
+) -> CacheLike | None:
     """A RayCache over the shard actors of ``namespace`` (default: the driver's current namespace), or None when
     Ray is not running here or no shards run there (an error instead when ``required``)."""
     ray = sys.modules.get("ray")  # never import Ray just to look: it is already there when the trainer uses it
@@ -89,10 +114,10 @@ def _ray_cluster_cache(namespace: str | None, tools: Iterable[ToolSpec], *, requ
                 f"no tvcache shard actors in Ray namespace {namespace!r}: start them with `tvcache ray up`"
             )
         return None
-    return RayCache(namespace=namespace, tools=tools)
+    return RayCache(namespace=namespace, tools=tools, **checks)
 
 
-def _remote(urls: list[str], *, token: str | None, tools: Iterable[ToolSpec]) -> CacheLike:
+def _remote(urls: list[str], *, token: str | None, tools: Iterable[ToolSpec], checks: Mapping[str, Any]) -> CacheLike:
     try:
         from ..client import RemoteCache, ShardedCache
     except ImportError as error:
@@ -100,8 +125,8 @@ def _remote(urls: list[str], *, token: str | None, tools: Iterable[ToolSpec]) ->
             f"a cache at {', '.join(urls)} needs the 'server' extra: pip install 'tvcache[server]'"
         ) from error
     if len(urls) == 1:
-        return RemoteCache(urls[0], token=token, tools=tools)
-    return ShardedCache(urls, token=token, tools=tools)
+        return RemoteCache(urls[0], token=token, tools=tools, **checks)
+    return ShardedCache(urls, token=token, tools=tools, **checks)
 
 
 def require(module: str, extra: str) -> ModuleType:

@@ -4,14 +4,25 @@ and answers repeated calls from a tvcache graph.
 One connection to the proxy is one rollout (a tvcache session) of one task (``--task``, default
 ``$TVCACHE_TASK``, else a digest of the upstream command). Tools annotated ``readOnlyHint: true`` are read-only
 (keyed by the state they read); every other tool is state-changing, so its result is keyed by the whole history
-of state-changing calls before it. ``--uncached TOOL`` marks a tool non-deterministic: it always runs, and a
-rollout that calls it leaves the cached paths.
+of state-changing calls before it. No annotation says a tool is deterministic (a clock is read-only and
+idempotent), so every tool starts undeclared: cached, and its first hit in a task executed once more and
+compared. ``--uncached TOOL`` declares a tool non-deterministic: it always runs, and a rollout that calls it
+leaves the cached paths; ``--deterministic TOOL`` declares it deterministic (its hits are not checked);
+``--audit-rate`` re-executes a fraction of all hits in a fresh upstream. See docs/mcp-proxy.md.
 
-The upstream server is started lazily: a connection whose calls (and whose tool listing) all hit never starts
-it. On a miss after hits the proxy starts a fresh upstream process and replays the cached state-changing calls
-of the path first, so the upstream must start in the task's initial state every time it is launched (wrap the
-command in a script that resets its working data if it keeps any). Upstream protocol errors are cached like
-results and re-raised to the client unchanged.
+The tool listing is passed through as the upstream sent it, field for field, whichever protocol era the client
+and the upstream speak.
+
+The upstream server is started lazily: a connection whose calls (and whose tool listing) all hit, with no
+first-hit check or audit due, never starts it. On a miss after hits the proxy starts a fresh upstream process
+and replays the cached state-changing calls of the path first, so the upstream must start in the task's initial
+state every time it is launched. ``--sandbox-dir DIR`` arranges that: the upstream runs confined on an overlay
+of its data directory ``DIR``, one per sandbox, so it always starts from ``DIR`` as it is on the host (which
+never changes), and sandboxes fork from overlay snapshots (``mcp_sandbox``). Without it, wrap the command in a
+script that resets its working data if it keeps any.
+
+Upstream protocol errors are cached like results and re-raised to the client unchanged; an upstream that closes
+the connection during a call (it crashed) fails that call, uncached.
 
 Statistics of the connection and the cache are the resource ``tvcache://stats`` (JSON). Upstream resources and
 prompts are not forwarded: the proxy caches tools.
@@ -21,33 +32,49 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import os
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..calls import ToolCall, ToolSpec, stable_digest
-from ..errors import SandboxError, TVCacheError
+from ..errors import InvalidInput, SandboxError, TVCacheError
 from ..protocol import Outcome
 from ..session import Session
 from ._common import CacheLike, CacheLocation, ExternalSandboxFactory, NoSnapshots, open_cache, require
+
+if TYPE_CHECKING:
+    from .mcp_sandbox import SandboxedUpstreams
 
 require("mcp", "mcp")
 
 import mcp.types as types  # noqa: E402
 from mcp import Client, MCPError, StdioServerParameters  # noqa: E402
+from mcp.client import Transport  # noqa: E402
 from mcp.server import Server  # noqa: E402
-from mcp.server.context import ServerRequestContext  # noqa: E402
+from mcp.server.context import CallNext, HandlerResult, ServerRequestContext  # noqa: E402
 from mcp.server.stdio import stdio_server  # noqa: E402
+from pydantic import BaseModel, ConfigDict  # noqa: E402
 
-__all__ = ["LIST_TOOLS", "STATS_URI", "CachingProxy", "ProxySettings", "UpstreamSandbox", "serve_stdio"]
+__all__ = [
+    "LIST_TOOLS",
+    "STATS_URI",
+    "CachingProxy",
+    "ProxySettings",
+    "UpstreamSandbox",
+    "open_proxy_cache",
+    "serve_stdio",
+]
 
 KIND = "mcp"
 STATS_URI = "tvcache://stats"
 LIST_TOOLS = "tools/list"  # a pseudo tool: the listing is cached per state like a read-only call
 _MAX_PAGES = 1000
+# The upstream's tools as it listed them, from the listing middleware to the tools/list handler of one request.
+_LISTING: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar("tvcache_mcp_listing")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +82,12 @@ class ProxySettings:
     """How to start the upstream server and which cache to use.
 
     ``command``: the upstream server's argv. ``cache``: see ``tvcache.integrations.CacheLocation``.
-    ``uncached``: tools never served from cache. ``env``: the upstream's environment (default: the proxy's).
+    ``uncached``: tools declared non-deterministic, never served from cache. ``deterministic``: tools declared
+    deterministic, whose hits are never checked. Every other tool is undeclared (see ``ToolSpec``).
+    ``audit_rate``: the fraction of hits re-executed in a fresh upstream and compared (``Cache(audit_rate=...)``).
+    ``env``: the upstream's environment (default: the proxy's). ``cwd``: its working directory (default: the
+    proxy's). ``sandbox_dir``: the upstream's data directory, overlaid per sandbox (``mcp_sandbox``); None runs
+    the upstream on the host as it is.
     """
 
     command: Sequence[str]
@@ -63,22 +95,43 @@ class ProxySettings:
     cache: CacheLocation = None
     token: str | None = None
     uncached: frozenset[str] = field(default_factory=frozenset)
+    deterministic: frozenset[str] = field(default_factory=frozenset)
+    audit_rate: float = 0.0
     env: Mapping[str, str] | None = None
     cwd: str | None = None
+    sandbox_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.command:
             raise TVCacheError("mcp-proxy needs the upstream server's command after '--', e.g. -- python server.py")
+        if both := sorted(self.uncached & self.deterministic):
+            raise InvalidInput(f"tool(s) {', '.join(both)} cannot be both --uncached and --deterministic")
+        if not 0.0 <= self.audit_rate <= 1.0:
+            raise InvalidInput(f"--audit-rate must be between 0 and 1, got {self.audit_rate}")
+
+    def declared(self, tool: str) -> bool | None:
+        """Whether ``tool`` was declared deterministic (True), non-deterministic (False), or neither (None)."""
+        if tool in self.uncached:
+            return False
+        return True if tool in self.deterministic else None
 
     @property
     def task(self) -> str:
         if self.task_id:
             return self.task_id
-        return "mcp:" + stable_digest("\x00".join(self.command).encode()).hex()[:16]
+        # A sandboxed upstream's state starts from its data directory: another directory is another task.
+        parts = [*self.command, *(["--sandbox-dir", os.path.abspath(self.sandbox_dir)] if self.sandbox_dir else [])]
+        return "mcp:" + stable_digest("\x00".join(parts).encode()).hex()[:16]
 
     def server_parameters(self) -> StdioServerParameters:
         env = dict(os.environ if self.env is None else self.env)
         return StdioServerParameters(command=self.command[0], args=list(self.command[1:]), env=env, cwd=self.cwd)
+
+
+class _Verbatim(BaseModel):
+    """A result kept as the JSON that was sent: every field (in ``model_extra``), none interpreted."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 def _dump(model: Any) -> Any:
@@ -96,8 +149,9 @@ class UpstreamSandbox(NoSnapshots):
     them, and the proxy starts and stops sandboxes from different requests.
     """
 
-    def __init__(self, parameters: StdioServerParameters) -> None:
-        self._parameters = parameters
+    def __init__(self, server: StdioServerParameters | Transport, *, describe: str | None = None) -> None:
+        self._server = server
+        self._describe = describe or repr(server.command if isinstance(server, StdioServerParameters) else server)
         self._client: Client | None = None
         self._stop = asyncio.Event()
         self._runner: asyncio.Task[None] | None = None
@@ -109,14 +163,14 @@ class UpstreamSandbox(NoSnapshots):
             self._client = await ready
         except Exception as error:
             raise SandboxError(
-                f"cannot start the upstream MCP server {self._parameters.command!r}: {error!r}; "
+                f"cannot start the upstream MCP server {self._describe}: {error!r}; "
                 "check the command after '--' runs on its own"
             ) from error
         return self
 
     async def _hold(self, ready: asyncio.Future[Client]) -> None:
         try:
-            async with Client(self._parameters, cache=None) as client:
+            async with Client(self._server, cache=None) as client:
                 ready.set_result(client)
                 await self._stop.wait()
         except BaseException as error:
@@ -130,20 +184,41 @@ class UpstreamSandbox(NoSnapshots):
         if client is None:
             raise SandboxError("the upstream MCP server is not running")
         if call.name == LIST_TOOLS:
-            tools: list[Any] = []
-            cursor: str | None = None
-            for _ in range(_MAX_PAGES):
-                page = await client.list_tools(cursor=cursor)
-                tools.extend(_dump(tool) for tool in page.tools)
-                cursor = page.next_cursor
-                if cursor is None:
-                    break
-            return Outcome(output=_encode({"tools": tools}), changed_state=False)
+            # Not _encode: its sorted keys would reorder each schema's properties, the order a model reads the
+            # arguments in. The upstream's own order is as deterministic as sorting.
+            listing = json.dumps({"tools": await self._list_tools(client)}, separators=(",", ":"), ensure_ascii=False)
+            return Outcome(output=listing, changed_state=False)
         try:
             result = await client.call_tool(call.name, call.arguments)
-        except MCPError as error:  # a protocol error is the call's answer too; the client sees it unchanged
+        except MCPError as error:
+            if error.error.code == types.CONNECTION_CLOSED:
+                # Not the call's answer: the upstream went away (crashed, exited) under it, with unknown effects.
+                raise SandboxError(
+                    f"the upstream MCP server {self._describe} closed the connection during {call} (it crashed or "
+                    "exited); the call is not cached, and the rollout's next call starts a new upstream"
+                ) from error
+            # Any other protocol error is the call's answer too; the client sees it unchanged.
             return Outcome(output=_encode({"error": _dump(error.error)}), is_error=True)
         return Outcome(output=_encode({"result": _dump(result)}), is_error=result.is_error)
+
+    async def _list_tools(self, client: Client) -> list[dict[str, Any]]:
+        """Every tool the upstream lists, as the JSON it sent, page after page.
+
+        Not ``client.list_tools()``: its typed ``Tool`` drops fields the model lacks and re-dumping it drops
+        explicit nulls, so the proxy would list something other than the upstream does. The session still
+        checks each page against the negotiated protocol version's schema.
+        """
+        tools: list[dict[str, Any]] = []
+        cursor: str | None = None
+        for _ in range(_MAX_PAGES):
+            params = None if cursor is None else types.PaginatedRequestParams(cursor=cursor)
+            sent = await client.session.send_request(types.ListToolsRequest(params=params), _Verbatim)
+            page = sent.model_extra or {}
+            tools.extend(page.get("tools") or [])
+            cursor = page.get("nextCursor")
+            if cursor is None:
+                break
+        return tools
 
     async def stop(self) -> None:
         self._stop.set()
@@ -154,13 +229,34 @@ class UpstreamSandbox(NoSnapshots):
 
 
 class CachingProxy:
-    """The proxy's MCP server (``self.server``) for one connection: a tvcache session per connection."""
+    """The proxy's MCP server (``self.server``) for one connection: a tvcache session per connection.
 
-    def __init__(self, settings: ProxySettings, cache: CacheLike) -> None:
+    With ``settings.sandbox_dir``, upstreams run sandboxed: pass ``sandboxes`` (a ``SandboxedUpstreams`` shared
+    by the connections of this process, so they fork each other's snapshots), or the proxy makes one of its own
+    for this connection, without snapshots (they could not outlive it), and closes it when the connection ends.
+    """
+
+    def __init__(
+        self, settings: ProxySettings, cache: CacheLike, *, sandboxes: SandboxedUpstreams | None = None
+    ) -> None:
         self.settings = settings
         self.cache = cache
-        self.specs: dict[str, ToolSpec] = {LIST_TOOLS: ToolSpec(name=LIST_TOOLS, read_only=True)}
-        self.factory = ExternalSandboxFactory(kind=KIND, tools=self.specs, start=self._start_upstream)
+        # The listing is declared deterministic: it is the server's description of itself, not a computed
+        # result, and checking its first hit would start the upstream on connections whose calls all hit.
+        listing = ToolSpec(name=LIST_TOOLS, read_only=True, deterministic=True)
+        self.specs: dict[str, ToolSpec] = {LIST_TOOLS: listing}
+        self._owned_sandboxes: SandboxedUpstreams | None = None
+        self.factory: Any
+        if settings.sandbox_dir is None:
+            if sandboxes is not None:
+                raise InvalidInput("CachingProxy(sandboxes=...) needs ProxySettings(sandbox_dir=...) too")
+            self.factory = ExternalSandboxFactory(kind=KIND, tools=self.specs, start=self._start_upstream)
+        else:
+            if sandboxes is None:
+                from .mcp_sandbox import SandboxedUpstreams
+
+                sandboxes = self._owned_sandboxes = SandboxedUpstreams(settings, snapshots=False)
+            self.factory = sandboxes.factory(self.specs, on_start=self._count_start)
         self.session: Session | None = None
         self.upstream_starts = 0
         self.server: Server[Any] = Server(
@@ -172,44 +268,75 @@ class CachingProxy:
             on_list_resources=self._list_resources,
             on_read_resource=self._read_resource,
         )
+        self.server.middleware.append(self._list_tools_verbatim)
 
     async def _start_upstream(self) -> UpstreamSandbox:
-        self.upstream_starts += 1
+        self._count_start()
         return await UpstreamSandbox(self.settings.server_parameters()).open()
+
+    def _count_start(self) -> None:
+        self.upstream_starts += 1
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _: Server[Any]) -> AsyncIterator[dict[str, Any]]:
-        async with self.cache.session(self.settings.task, sandbox=self.factory) as session:
-            self.session = session
-            try:
-                yield {}
-            finally:
-                self.session = None
+        try:
+            async with self.cache.session(self.settings.task, sandbox=self.factory) as session:
+                self.session = session
+                try:
+                    yield {}
+                finally:
+                    self.session = None
+        finally:
+            if self._owned_sandboxes is not None:
+                self._owned_sandboxes.close()
 
     def _session(self) -> Session:
         if self.session is None:
             raise MCPError(types.INTERNAL_ERROR, "the tvcache session is not open (the proxy is shutting down)")
         return self.session
 
-    async def _tools(self) -> list[types.Tool]:
+    async def _tools(self) -> list[dict[str, Any]]:
+        """The upstream's tools (cached per state, as it listed them); learns which are read-only."""
         result = await self._session().call(LIST_TOOLS, {})
-        tools = [types.Tool.model_validate(tool) for tool in json.loads(result.output)["tools"]]
+        tools: list[dict[str, Any]] = json.loads(result.output)["tools"]
         for tool in tools:
-            read_only = tool.annotations is not None and tool.annotations.read_only_hint is True
-            deterministic = tool.name not in self.settings.uncached
-            self.specs[tool.name] = ToolSpec(name=tool.name, read_only=read_only, deterministic=deterministic)
+            name = tool["name"]
+            read_only = (tool.get("annotations") or {}).get("readOnlyHint") is True
+            self.specs[name] = ToolSpec(name=name, read_only=read_only, deterministic=self.settings.declared(name))
         return tools
+
+    async def _list_tools_verbatim(self, ctx: ServerRequestContext[Any], call_next: CallNext) -> HandlerResult:
+        """Answer tools/list with the upstream's tools field for field, in whichever protocol era the client is.
+
+        The SDK's server shapes each result to the schema of the client's protocol version and drops what that
+        schema lacks: a 2026-07-28 client would lose the ``execution`` a 2025-11-25 upstream declares, a
+        2025-11-25 client what only 2026-07-28 has. The proxy is not the author of the tools: the SDK still
+        builds and checks the envelope (``resultType``, ``_meta``), then the tools go out as the upstream sent.
+        """
+        if ctx.method != "tools/list":
+            return await call_next(ctx)
+        tools = await self._tools()
+        token = _LISTING.set(tools)
+        try:
+            result = await call_next(ctx)
+        finally:
+            _LISTING.reset(token)
+        # The SDK's inner chain returns the wire dict; anything else is not a listing to complete.
+        return {**result, "tools": tools} if isinstance(result, dict) else result
 
     async def _list_tools(
         self, ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
-        return types.ListToolsResult(tools=await self._tools())
+        tools = _LISTING.get(None)
+        if tools is None:  # reached without the listing middleware (it was removed from server.middleware)
+            tools = await self._tools()
+        return types.ListToolsResult(tools=[types.Tool.model_validate(tool) for tool in tools])
 
     async def _call_tool(
         self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult:
         if params.name == LIST_TOOLS or (
-            params.name not in self.specs and params.name not in {tool.name for tool in await self._tools()}
+            params.name not in self.specs and params.name not in {tool["name"] for tool in await self._tools()}
         ):
             raise MCPError(types.INVALID_PARAMS, f"Unknown tool: {params.name}")
         try:
@@ -253,9 +380,14 @@ class CachingProxy:
         }
 
 
+def open_proxy_cache(settings: ProxySettings) -> CacheLike:
+    """The cache ``settings`` names, with its audit rate (an already open cache keeps its own)."""
+    return open_cache(settings.cache, token=settings.token, audit_rate=settings.audit_rate)
+
+
 async def serve_stdio(settings: ProxySettings) -> None:
     """Serve one connection on stdin/stdout until the client closes it."""
-    cache = open_cache(settings.cache, token=settings.token)
+    cache = open_proxy_cache(settings)
     owned = cache is not settings.cache
     try:
         proxy = CachingProxy(settings, cache)
@@ -282,6 +414,9 @@ def main(
     cache: str | None,
     token: str | None,
     uncached: Sequence[str],
+    deterministic: Sequence[str] = (),
+    audit_rate: float = 0.0,
+    sandbox_dir: str | None = None,
 ) -> int:
     """The ``tvcache mcp-proxy`` command (errors go to stderr: stdout is the MCP channel)."""
     try:
@@ -291,6 +426,9 @@ def main(
             cache=parse_location(cache),
             token=token or os.environ.get("TVCACHE_TOKEN") or None,
             uncached=frozenset(uncached),
+            deterministic=frozenset(deterministic),
+            audit_rate=audit_rate,
+            sandbox_dir=sandbox_dir,
         )
         asyncio.run(serve_stdio(settings))
     except TVCacheError as error:

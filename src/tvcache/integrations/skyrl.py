@@ -45,7 +45,8 @@ class ToolBinding:
 
     ``arguments``: names for the positional ``tool_input`` entries, in order. ``presentation``: the arguments
     that only appear in the output's text (never change the result), replaced by a placeholder when the tool
-    runs. ``read_only``: the tool never changes state (text2sql rolls every query back).
+    runs. ``read_only``: the tool never changes state (text2sql rolls every query back). ``deterministic``: True
+    or False declares it (see ``ToolSpec``); None (default) caches it with a first-hit check per task.
     """
 
     group: str
@@ -53,7 +54,7 @@ class ToolBinding:
     arguments: Sequence[str]
     presentation: frozenset[str] = field(default_factory=frozenset)
     read_only: bool = False
-    deterministic: bool = True
+    deterministic: bool | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.presentation) - set(self.arguments)
@@ -218,11 +219,14 @@ def register_cached_env(
     cache: CacheLocation,
     bindings: Sequence[ToolBinding] = (TEXT2SQL,),
     token: str | None = None,
+    audit_rate: float = 0.0,
+    verify_undeclared: bool = True,
 ) -> CacheLike:
     """Register ``env_id`` in skyrl_gym: environment ``base`` with its tools cached. The extras must carry the
-    trajectory's ``trajectory_id``. Returns the opened cache (close it when training ends)."""
+    trajectory's ``trajectory_id``. Returns the opened cache (close it when training ends). ``audit_rate`` and
+    ``verify_undeclared``: the cache's checks (see ``tvcache.Cache``)."""
     skyrl_gym = require("skyrl_gym", "skyrl")
-    opened = open_cache(cache, token=token)
+    opened = open_cache(cache, token=token, audit_rate=audit_rate, verify_undeclared=verify_undeclared)
 
     def make(env_config: Any = None, extras: Mapping[str, Any] | None = None) -> Any:
         extras = dict(extras or {})

@@ -15,6 +15,11 @@ change state. The task key is the Harbor task directory's name (``env_dir`` is `
     factory = CachingSandboxFactory.open(inner=default_sandbox_factory, cache="/data/tvcache")  # or URL(s)
     builder = HarborEnvGroupBuilder(..., sandbox_factory=factory)
 
+Replay is the only flavour here: the sandboxes are ``inner``'s (Modal, SandboxFusion, yours), which tvcache
+cannot snapshot, and tvcache ships no ``SandboxInterface`` of its own yet through which a persistent shell could
+be asked for. A Harbor task that needs processes kept between commands runs on tvcache's shells through Harbor
+itself: ``harbor.OverlayEnvironment(..., persistent=True)``.
+
 The grader as the session's test: ``await sandbox.cached_reward(lambda real: HarborReward(tests_dir, real),
 history)`` runs the grader in the real sandbox once per reached state and key; afterwards the sandbox is done.
 """
@@ -148,10 +153,19 @@ class CachingSandboxFactory:
 
     @classmethod
     def open(
-        cls, *, inner: InnerFactory, cache: CacheLocation, task_id: str | None = None, token: str | None = None
+        cls,
+        *,
+        inner: InnerFactory,
+        cache: CacheLocation,
+        task_id: str | None = None,
+        token: str | None = None,
+        audit_rate: float = 0.0,
+        verify_undeclared: bool = True,
     ) -> CachingSandboxFactory:
-        """Open ``cache`` (None, a directory, a URL or a list of URLs) and wrap ``inner``."""
-        return cls(inner=inner, cache=open_cache(cache, token=token), task_id=task_id)
+        """Open ``cache`` (None, a directory, a URL or a list of URLs) and wrap ``inner``. ``audit_rate`` and
+        ``verify_undeclared``: the cache's checks (see ``tvcache.Cache``)."""
+        opened = open_cache(cache, token=token, audit_rate=audit_rate, verify_undeclared=verify_undeclared)
+        return cls(inner=inner, cache=opened, task_id=task_id)
 
     async def __call__(self, env_dir: Path, timeout: int) -> CachedSandbox:
         task = self.task_id or f"tinker:{Path(env_dir).resolve().parent.name}"

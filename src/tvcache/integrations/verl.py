@@ -218,14 +218,21 @@ class CachedTool(BaseTool):  # type: ignore[misc]
         )
         super().__init__(config, self.inner.tool_schema)
         location: CacheLocation = config.get("cache")
-        key = json.dumps(location, sort_keys=True, default=str)
+        # The checks are settings of the cache these tools share: config.audit_rate (fraction of hits re-executed
+        # in a fresh sandbox) and config.verify_undeclared (first-hit check of tools without config.deterministic).
+        audit_rate = float(config.get("audit_rate", 0.0))
+        verify_undeclared = bool(config.get("verify_undeclared", True))
+        key = json.dumps([location, audit_rate, verify_undeclared], sort_keys=True, default=str)
         if key not in _CACHES:
-            _CACHES[key] = open_cache(location, token=config.get("token"))
+            _CACHES[key] = open_cache(
+                location, token=config.get("token"), audit_rate=audit_rate, verify_undeclared=verify_undeclared
+            )
         self.cache = _CACHES[key]
+        deterministic = config.get("deterministic")  # absent: not declared, so checked at its first hits
+        if deterministic is not None and not isinstance(deterministic, bool):
+            raise InvalidInput(f"CachedTool config.deterministic must be true, false or absent, got {deterministic!r}")
         self.spec = ToolSpec(
-            name=self.name,
-            read_only=bool(config.get("read_only", False)),
-            deterministic=bool(config.get("deterministic", True)),
+            name=self.name, read_only=bool(config.get("read_only", False)), deterministic=deterministic
         )
         self._create_kwargs: dict[str, dict[str, Any]] = {}
         _TOOLS[self.name] = self

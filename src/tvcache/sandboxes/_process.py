@@ -1,7 +1,9 @@
 """Running one sandboxed command: capped merged output, a timeout, no leftovers.
 
 Folder sandboxes run commands in their own process group (``run_command``); shell sandboxes in their own PID
-namespace, started by a zygote process (``run_confined``).
+namespace, started by a zygote process (``run_confined``). ``finish_in_thread`` runs any blocking step of a
+backend in a worker thread that a cancelled caller still waits for, so the sandbox's lock is never released while
+the thread uses the sandbox.
 """
 
 from __future__ import annotations
@@ -197,17 +199,45 @@ async def run_cancellable(argv: list[str], *, live_groups: set[int], **options: 
 
 
 async def run_in_worker(run: Callable[[threading.Event], T], kill_all: Callable[[], None]) -> T:
-    """``run(abandon)`` in a worker thread. On cancellation the command is killed (a thread cannot be), and the
-    caller waits until the thread is done, so nothing still runs when the next call or ``stop()`` comes."""
+    """``run(abandon)`` in a worker thread (``finish_in_thread``). On cancellation ``abandon`` is set and the
+    command killed (a thread cannot be), and the caller waits until the thread is done, so nothing still runs
+    when the next call or ``stop()`` comes."""
     abandon = threading.Event()
-    work = asyncio.ensure_future(asyncio.to_thread(run, abandon))
-    try:
-        return await asyncio.shield(work)
-    except asyncio.CancelledError:
+
+    def cancel() -> None:
         abandon.set()
         kill_all()
-        with contextlib.suppress(Exception):
-            await work
+
+    return await finish_in_thread(lambda: run(abandon), on_cancel=cancel)
+
+
+async def finish_in_thread(
+    work: Callable[[], T],
+    *,
+    on_cancel: Callable[[], object] | None = None,
+    undo: Callable[[T], object] | None = None,
+) -> T:
+    """``work()`` in a worker thread, awaited to its end even when the caller is cancelled.
+
+    A thread cannot be cancelled. When the caller is (once or repeatedly) while ``work`` runs, ``on_cancel`` asks
+    the work to stop early (interrupt a statement, set an abandon flag, kill a command), the caller still waits
+    until the thread is done, ``undo`` gets the result if the work completed anyway (close what it opened,
+    remove what it wrote), and only then does the cancellation go on. So a caller holding a sandbox's lock keeps
+    it until the thread no longer uses the sandbox: the next call, snapshot or ``stop()`` never overlaps it.
+    Every blocking step of a sandbox backend that touches its state runs through here.
+    """
+    running = asyncio.ensure_future(asyncio.to_thread(work))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        if on_cancel is not None:
+            on_cancel()
+        while not running.done():
+            with contextlib.suppress(asyncio.CancelledError):  # a second cancellation must not cut the wait short
+                await asyncio.wait({running})
+        if not running.cancelled() and running.exception() is None and undo is not None:
+            with contextlib.suppress(Exception):
+                undo(running.result())
         raise
 
 

@@ -68,6 +68,7 @@ class Spawned:
         self._lock = threading.Lock()
         self._pidfd: int | None = None
         self._done = False
+        self.pid: int | None = None  # the command's process id in the caller's PID namespace
         self.returncode: int | None = None
         self.errors: list[str] = []
 
@@ -88,6 +89,7 @@ class Spawned:
         if "pid" in reply and fds:
             with self._lock:
                 self._pidfd = fds[0]
+                self.pid = int(reply["pid"])
         if "error" in reply:
             self.errors.append(str(reply["error"]))
         if "exited" in reply:
@@ -111,12 +113,25 @@ class Spawned:
 
     def kill(self) -> None:
         """SIGKILL the command (PID 1 of its namespace: everything in it dies). Safe from any thread."""
+        self.send_signal(signal.SIGKILL)
+
+    def send_signal(self, signum: int) -> bool:
+        """Send ``signum`` to the command by its pidfd (never to a reused PID); False once it is gone."""
         with self._lock:
-            if self._pidfd is not None:
-                try:
-                    signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            if self._pidfd is None:
+                return False
+            try:
+                signal.pidfd_send_signal(self._pidfd, signum)
+            except ProcessLookupError:
+                return False
+            return True
+
+    @property
+    def exited(self) -> bool:
+        """True once the command's exit was reported (checked without blocking)."""
+        while not self._done and self._handle_one(0):
+            pass
+        return self._done
 
     def close(self) -> None:
         with self._lock:
@@ -154,9 +169,20 @@ class Zygote:
         """Start the zygote now (it boots and readies its spares in ~50 ms) rather than on the first spawn."""
         self._ensure()
 
-    def spawn(self, argv: Sequence[str], *, env: Mapping[str, str], mount_fd: int, output_fd: int) -> Spawned:
-        """Start ``argv`` confined, its stdout and stderr on ``output_fd``; the caller keeps its descriptors."""
-        request = encode_request(argv, dict(env))
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        mount_fd: int,
+        output_fd: int,
+        terminal: bool = False,
+        last_pid: int | None = None,
+    ) -> Spawned:
+        """Start ``argv`` confined, its stdout and stderr on ``output_fd``; the caller keeps its descriptors.
+        With ``terminal``, ``output_fd`` is a pty slave that is also stdin and the controlling terminal;
+        ``last_pid`` sets the last PID used in the new PID namespace (see ``encode_request``)."""
+        request = encode_request(argv, dict(env), terminal=terminal, last_pid=last_pid)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             for attempt in (1, 2):

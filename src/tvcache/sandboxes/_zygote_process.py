@@ -16,6 +16,7 @@ import select
 import signal
 import socket
 import struct
+import termios
 
 from . import _linux
 
@@ -38,22 +39,31 @@ PROC_FLAGS = _linux.MS_NOSUID | _linux.MS_NODEV | _linux.MS_NOEXEC | _linux.MS_R
 # ------------------------------------------------------------------------------------------- messages
 
 
-def encode_request(argv: Sequence[str], env: dict[str, str]) -> bytes:
-    """argv, then ``KEY=VALUE`` strings, as length-prefixed bytes (any bytes survive), after a small header."""
-    strings = [json.dumps({"argc": len(argv)}).encode(), *(os.fsencode(item) for item in argv)]
+def encode_request(
+    argv: Sequence[str], env: dict[str, str], *, terminal: bool = False, last_pid: int | None = None
+) -> bytes:
+    """argv, then ``KEY=VALUE`` strings, as length-prefixed bytes (any bytes survive), after a small header.
+
+    ``terminal``: the output descriptor is a pty's slave, which becomes the command's stdin too and its
+    controlling terminal (a persistent, interactive shell). ``last_pid``: the last PID handed out in the
+    command's new PID namespace, so its next child gets ``last_pid + 1`` (a restored shell numbers its jobs as
+    the shell it was captured from did)."""
+    header = {"argc": len(argv), "terminal": terminal, "last_pid": last_pid}
+    strings = [json.dumps(header).encode(), *(os.fsencode(item) for item in argv)]
     strings += [os.fsencode(key) + b"=" + os.fsencode(value) for key, value in env.items()]
     return b"".join(struct.pack("I", len(part)) + part for part in strings)
 
 
-def decode_request(data: bytes) -> tuple[list[bytes], dict[bytes, bytes]]:
+def decode_request(data: bytes) -> tuple[list[bytes], dict[bytes, bytes], dict[str, object]]:
     parts, offset = [], 0
     while offset < len(data):
         (size,) = struct.unpack_from("I", data, offset)
         parts.append(data[offset + 4 : offset + 4 + size])
         offset += 4 + size
-    argc = json.loads(parts[0])["argc"]
+    header = json.loads(parts[0])
+    argc = header["argc"]
     env = dict(item.split(b"=", 1) for item in parts[1 + argc :])
-    return parts[1 : 1 + argc], env
+    return parts[1 : 1 + argc], env, header
 
 
 def message(**fields: object) -> bytes:
@@ -145,6 +155,10 @@ class Confiner:
                 pass
             _linux.move_mount(tree, f"/dev/{name}")
             os.close(tree)
+            # The clone is the host's own device inode: read-only, so a command's chmod, chown or touch cannot
+            # change the host's /dev/null (reading and writing the device still work: a read-only mount does
+            # not refuse I/O to device files).
+            _linux.set_recursive_readonly(f"/dev/{name}")
         os.mkdir("/dev/shm", 0o1777)
         _linux.mount("tmpfs", "/dev/shm", "tmpfs", TMPFS_FLAGS, "mode=1777")
         for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1")):
@@ -330,6 +344,7 @@ def _default_signals() -> None:
 def _serve_one(channel: socket.socket, confinement: dict[str, object], alive: int) -> NoReturn:
     """In a forked child, PID 1 of its new PID namespace: confine, wait for one command, exec it. Never returns."""
     reply_fd = -1
+    last_pid = -1
     try:
         keep = sorted({channel.fileno(), alive})
         os.closerange(3, keep[0])  # the zygote's other descriptors: other children's channels, replies...
@@ -340,6 +355,11 @@ def _serve_one(channel: socket.socket, confinement: dict[str, object], alive: in
             os._exit(EXIT_FAILED)  # the zygote died before the line above
         os.close(alive)
         os.setsid()
+        try:
+            # Opened while the host's /proc is still writable; a write resolves the PID namespace of the writer.
+            last_pid = os.open("/proc/sys/kernel/ns_last_pid", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            last_pid = -1  # reported below if a command asks for it
         confiner = Confiner(**confinement)  # type: ignore[arg-type]
         failure: BaseException | None = None
         try:
@@ -352,11 +372,19 @@ def _serve_one(channel: socket.socket, confinement: dict[str, object], alive: in
         reply_fd, output_fd, mount_fd = fds
         if failure is not None:
             raise failure
-        argv, env = decode_request(data)
-        null = os.open("/dev/null", os.O_RDONLY)
-        os.dup2(null, 0)
+        argv, env, header = decode_request(data)
+        if header.get("terminal"):
+            os.dup2(output_fd, 0)
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # we lead a new session: the pty becomes its terminal
+        else:
+            os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
         os.dup2(output_fd, 1)
         os.dup2(output_fd, 2)
+        wanted = header.get("last_pid")
+        if isinstance(wanted, int) and wanted > 1:
+            if last_pid < 0:
+                raise OSError("cannot set the next PID of the namespace: /proc/sys/kernel/ns_last_pid is not writable")
+            os.write(last_pid, str(wanted).encode())
         confiner.enter(mount_fd)
         _default_signals()
         os.execve(argv[0], argv, env)

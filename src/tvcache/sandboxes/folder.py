@@ -21,13 +21,11 @@ after the call (paths, types, modes, sizes, mtimes, contents and link targets; n
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import inspect
 import os
 import shutil
 import stat
-import sys
 import tempfile
 import weakref
 from collections.abc import Callable, Mapping
@@ -38,10 +36,11 @@ from typing import Any
 
 from ..calls import ToolCall, ToolSpec
 from ..errors import SandboxError
-from ..protocol import Outcome, Snapshot
+from ..protocol import Outcome, Snapshot, remove_tree
 from ._process import (
     FIXED_PATH,
     command_timeout,
+    finish_in_thread,
     fixed_environment,
     kill_group,
     render_shell,
@@ -152,25 +151,8 @@ def _digest_entry(hasher: Any, path: bytes, relative: bytes, info: os.stat_resul
 
 
 def _remove_tree(path: Path) -> None:
-    """rmtree that also removes directories a command made read-only (``chmod -w``)."""
-
-    def make_writable_and_retry(function: Callable[[str], object], target: str, _: object) -> None:
-        with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(target), 0o700)
-            if os.path.isdir(target) and not os.path.islink(target):
-                os.chmod(target, 0o700)
-                shutil.rmtree(target, ignore_errors=True)
-            else:
-                function(target)
-
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-    elif not path.exists():
-        return
-    elif sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=make_writable_and_retry)
-    else:
-        shutil.rmtree(path, onerror=make_writable_and_retry)
+    if path.exists() or path.is_symlink():
+        remove_tree(path)
 
 
 def _copy_folder(source: Path, dest: Path) -> None:
@@ -306,14 +288,18 @@ class FolderSandboxFactory:
             _copy_folder(source, folder)
             return folder
 
-        return FolderSandbox(self, await asyncio.to_thread(copy))
+        # A cancelled caller waits until the source is no longer read (a fork's caller may release the snapshot
+        # as soon as it returns), and the copy goes.
+        return FolderSandbox(self, await finish_in_thread(copy, undo=_remove_tree))
 
     def __repr__(self) -> str:
         return f"FolderSandboxFactory({str(self.template)!r}, tools={sorted(self._tools)})"
 
 
 class FolderSandbox:
-    """One private working folder. Calls are serialised; blocking work runs in worker threads."""
+    """One private working folder. Calls are serialised by a lock; blocking work runs in worker threads, and a
+    cancelled caller keeps the lock until its thread is done (``finish_in_thread``), so a thread still copying,
+    digesting or running a tool never overlaps the next call, snapshot or ``stop()``."""
 
     def __init__(self, factory: FolderSandboxFactory, folder: Path) -> None:
         self._factory = factory
@@ -399,7 +385,7 @@ class FolderSandbox:
 
     async def _digest(self, folder: Path) -> str:
         try:
-            return await asyncio.to_thread(digest_folder, folder)
+            return await finish_in_thread(lambda: digest_folder(folder))
         except OSError as error:
             raise SandboxError(
                 f"cannot read the sandbox folder {folder}: {error}; it was removed or made unreadable from outside, "
@@ -408,7 +394,7 @@ class FolderSandbox:
 
     async def _run_tool(self, folder: Path, tool: FolderTool, arguments: dict[str, Any]) -> Outcome:
         try:
-            output = await asyncio.to_thread(tool.fn, folder, **arguments)
+            output = await finish_in_thread(lambda: tool.fn(folder, **arguments))
         except Exception as error:  # the tool's failure is the agent's observation, not a broken sandbox
             # The folder's absolute path differs in every sandbox: show paths relative to it, so the same
             # failure reads the same wherever it happens (and a cached error equals a fresh one).
@@ -435,7 +421,8 @@ class FolderSandbox:
                 os.replace(partial, dest)  # a crash never leaves a half-copied tree under the final name
                 return tree_bytes(dest)
 
-            size = await asyncio.to_thread(copy)
+            # Cancelled: the copy finishes (the lock is kept until it has) and goes, as no one will record it.
+            size = await finish_in_thread(copy, undo=lambda _: _remove_tree(dest))
         return Snapshot(kind=KIND, path=str(dest), bytes=size)
 
     async def state_digest(self) -> str:
@@ -451,4 +438,4 @@ class FolderSandbox:
                 return
             for group in list(self._live_groups):  # a call whose awaiting task was cancelled may still run
                 kill_group(group)
-            await asyncio.to_thread(_remove_tree, folder)
+            await finish_in_thread(lambda: _remove_tree(folder))

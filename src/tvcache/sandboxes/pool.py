@@ -100,11 +100,22 @@ class WarmPool:
         return _PooledSandbox(self, await self.factory.fork(snapshot))
 
     def discard(self, snapshot: Snapshot) -> None:
+        self._stop_ready_forks(snapshot)
+        self.factory.discard(snapshot)
+
+    def discard_foreign(self, snapshot: Snapshot) -> None:
+        """An evicted snapshot this process did not make: stop the forks kept ready for it (the pool's own
+        sandboxes), and let the wrapped factory release what it can verify (``Cache._release_foreign``)."""
+        self._stop_ready_forks(snapshot)
+        release = getattr(self.factory, "discard_foreign", None)
+        if release is not None:
+            release(snapshot)
+
+    def _stop_ready_forks(self, snapshot: Snapshot) -> None:
         self._discarded.add(snapshot.path)
         for sandbox in self._ready_forks.pop(snapshot.path, []):
             self.stats.wasted += 1
             self._spawn(sandbox.stop())
-        self.factory.discard(snapshot)
 
     async def prepare(self) -> None:
         """Fill the pool of root sandboxes now (e.g. before a training step) and wait until it is full."""

@@ -29,13 +29,12 @@ is never released into this one (a warning says so).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from ..calls import ToolSpec
 from ..errors import SandboxError
@@ -43,13 +42,12 @@ from ..protocol import Sandbox, SandboxFactory, SandboxWrapper, Snapshot
 from ..snapshots.node_cache import NodeCache, check_format, pack
 from ..snapshots.publication import LAYERS, PUBLISHED, LayerRef, Publication, default_node_id, stack_digest
 from ..snapshots.stores import BlobStore, blob_digest, fetch_verified, new_publication_id
+from ._process import finish_in_thread
 from .layer_archive import LayerCache, pack_layer, require_gnu_tar
 from .layers import Layer
 from .shell import ShellSandboxFactory
 
 __all__ = ["PublishedSnapshots"]
-
-T = TypeVar("T")
 
 
 class PublishedSnapshots:
@@ -109,7 +107,10 @@ class PublishedSnapshots:
         with self.cache.pinned(publication.digest):
             local = self._local_copy(snapshot, publication)
             if local is None:
-                local = await asyncio.to_thread(self.cache.fetch, publication.digest, publication.format, self.store)
+                # Cancelled: the entry stays pinned until the fetching thread is done with it.
+                local = await finish_in_thread(
+                    lambda: self.cache.fetch(publication.digest, publication.format, self.store)
+                )
             plain = Snapshot(kind=snapshot.kind, path=str(local), bytes=snapshot.bytes, meta=_inner_meta(snapshot))
             return _PublishingSandbox(await self.inner.fork(plain), self)
 
@@ -120,7 +121,8 @@ class PublishedSnapshots:
         if layers is None:
             raise SandboxError(f"a shell layer stack cannot be forked by {self.inner!r}; use a shell sandbox factory")
         shell = layers.shell
-        pinned = await _undone_if_cancelled(lambda: layers.pin(snapshot, publication), shell.store.release)
+        # Cancelled: the pinning still finishes, and its references are given back.
+        pinned = await finish_in_thread(lambda: layers.pin(snapshot, publication), undo=shell.store.release)
         try:
             stack = Snapshot(
                 kind=snapshot.kind,
@@ -174,11 +176,29 @@ class PublishedSnapshots:
             self.cache.drop(publication.digest)
             return
         with self._lock:
-            made_here = self._made.pop(publication.publication, None) is not None
-        if made_here:  # the snapshot's own layer references, and its marker file
-            self.inner.discard(_without_publication(snapshot))
+            made = self._made.pop(publication.publication, None)
+        if made is not None:  # the snapshot's own layer references, and its marker file, as this process made them
+            self.inner.discard(_without_publication(made))
         else:  # made by another process (or swept already): its layer paths are not ours to release
             Path(snapshot.path).unlink(missing_ok=True)
+
+    def discard_foreign(self, snapshot: Snapshot) -> None:
+        """The cache evicted a record this process did not make (another worker's, handed back by a server): any
+        client may have written it, so nothing it names as a path is touched. Release its references in this
+        factory's own store and drop this node's cached copy of its data, both found by the publication's
+        checked addresses; the maker's files (its layers, its snapshot path) stay with it (see ``sweep``)."""
+        try:
+            publication = Publication.of(snapshot)
+        except SandboxError as error:
+            warnings.warn(f"not releasing an evicted snapshot: {error}", RuntimeWarning, stacklevel=2)
+            return
+        if publication is None:
+            return
+        if self._same_store(publication):
+            for digest in publication.blobs():
+                self.store.release(digest, publication.publication)
+        if publication.format != LAYERS:
+            self.cache.drop(publication.digest)
 
     def _same_store(self, publication: Publication) -> bool:
         """Whether the record was published to this factory's store; if not, warn (once per factory): its
@@ -225,15 +245,16 @@ class PublishedSnapshots:
         if layers is not None and LAYERS in snapshot.meta:
             if self._made:
                 try:
-                    await asyncio.to_thread(self.sweep)
+                    await finish_in_thread(self.sweep)
                 except Exception as error:  # freeing layers early is a courtesy, never a reason to lose a snapshot
                     warnings.warn(
                         f"could not check the store for snapshots evicted by other processes: {error!r}",
                         RuntimeWarning,
                         stacklevel=2,
                     )
-            return await _undone_if_cancelled(lambda: self._publish_layers(layers, snapshot), self.discard)
-        return await _undone_if_cancelled(lambda: self._publish_data(snapshot), self.discard)
+            # Cancelled: the publication still finishes, and is undone (its references released, its data gone).
+            return await finish_in_thread(lambda: self._publish_layers(layers, snapshot), undo=self.discard)
+        return await finish_in_thread(lambda: self._publish_data(snapshot), undo=self.discard)
 
     def _publish_data(self, snapshot: Snapshot) -> Snapshot:
         """Publish a file or tree snapshot and move its data into the node cache. If anything fails, the store's
@@ -385,18 +406,6 @@ class _LayerPublisher:
             self.shell.store.release(pinned)
             raise
         return pinned
-
-
-async def _undone_if_cancelled(work: Callable[[], T], undo: Callable[[T], object]) -> T:
-    """Run blocking ``work`` in a thread. If the caller is cancelled meanwhile, the work still finishes and its
-    result is undone, so that the references it took (layers, store blobs) are not left behind."""
-    running = asyncio.ensure_future(asyncio.to_thread(work))
-    try:
-        return await asyncio.shield(running)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            undo(await running)
-        raise
 
 
 def _inner_meta(snapshot: Snapshot) -> dict[str, Any]:

@@ -15,6 +15,9 @@ this are dropped. bash is PID 1 of its PID namespace: when it ends or times out,
 with it. Commands are started by a small helper process per factory (``_zygote``), so the caller's large
 Python process is never forked per command.
 
+With ``persistent=True`` each sandbox keeps one long-lived bash instead (``persistent_shell``): the working
+directory, variables, functions and jobs carry over between calls, and snapshots carry the shell's state too.
+
 Needs root (or overlay mounts in general); otherwise ``ShellSandbox.factory`` falls back to copying the tree
 (``FolderSandbox``), with a warning.
 """
@@ -28,14 +31,16 @@ import json
 import os
 import shutil
 import stat
-import subprocess
 import threading
 import warnings
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
+from .._children import run as run_tied
 from ..calls import ToolCall, ToolSpec
 from ..errors import SandboxError, SnapshotDeclined
 from ..protocol import Outcome, Snapshot
@@ -44,6 +49,7 @@ from ._process import (
     FIXED_PATH,
     ShellResult,
     command_timeout,
+    finish_in_thread,
     fixed_environment,
     render_shell,
     run_confined,
@@ -84,6 +90,7 @@ class ShellSandboxFactory:
         max_layers: int = 128,
         store_root: str | os.PathLike[str] | None = None,
         environment: Mapping[str, str] | None = None,
+        persistent: bool = False,
     ) -> None:
         base = Path(base_dir).resolve()
         if not base.is_dir():
@@ -103,9 +110,22 @@ class ShellSandboxFactory:
         self.prove_read_only = prove_read_only
         self.max_layers = max_layers
         self.bash = bash
+        self.command_prefix: tuple[str, ...] = ()  # run before bash: an image's WORKDIR and USER (sandboxes.image)
+        self.persistent = persistent
+        self.snapshot_routes: tuple[Any, ...] = ()
+        if persistent:
+            from .persistent_shell import PERSISTENT_KIND, ROUTES
+
+            self.kind = PERSISTENT_KIND  # its snapshots carry a shell: never forked by a one-shot factory
+            self.snapshot_routes = ROUTES  # tried in order per snapshot (persistent_shell); narrow it to opt out
         self.environment = (
             dict(environment) if environment is not None else fixed_environment("/root" if rootfs else str(base))
         )
+        if persistent and environment is None:
+            # A terminal: programs that would page or colour their output for a person must not wait for one.
+            self.environment.update({"TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat"})
+        self._routes: Counter[str] = Counter()
+        self._routes_lock = threading.Lock()
         self.store = LayerStore(Path(store_root) if store_root is not None else None)
         self.confinement = _confinement(base, rootfs=rootfs)
         self.zygote = Zygote(self.confinement)  # started with the first sandbox; ends with close() or the process
@@ -117,32 +137,49 @@ class ShellSandboxFactory:
         return self._tools
 
     async def start(self) -> ShellSandbox:
-        return await self._build([])
+        return await self._build([], None)
 
     async def fork(self, snapshot: Snapshot) -> ShellSandbox:
         layers = self._layers_of(snapshot)  # referenced now: an eviction meanwhile cannot delete them
-        return await self._build(layers)
+        image = snapshot.meta.get("shell") if self.persistent else None
+        return await self._build(layers, dict(image) if image is not None else None)
 
-    async def _build(self, layers: list[Layer]) -> ShellSandbox:
-        """ShellSandbox(factory, layers) takes over one reference on each layer, already acquired here. If the
-        caller is cancelled meanwhile, the sandbox is still finished and then stopped: nothing leaks."""
-        work = asyncio.ensure_future(asyncio.to_thread(ShellSandbox, self, layers))
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                sandbox = await work
-                await asyncio.to_thread(sandbox._teardown)
-            raise
+    def _make(self, layers: list[Layer], image: dict[str, object] | None) -> ShellSandbox:
+        if not self.persistent:
+            return ShellSandbox(self, layers)
+        from .persistent_shell import PersistentShellSandbox
+
+        return PersistentShellSandbox(self, layers, image)  # on failure, it released the layers itself
+
+    def count_route(self, route: object) -> None:
+        """Count one snapshot of a persistent shell by the route it took (``shell_state.SnapshotRoute``)."""
+        with self._routes_lock:
+            self._routes[str(getattr(route, "value", route))] += 1
+
+    def route_counts(self) -> dict[str, int]:
+        """Snapshots of this factory's persistent shells by route ("shell-state", "declined", ...)."""
+        with self._routes_lock:
+            return dict(self._routes)
+
+    async def _build(self, layers: list[Layer], image: dict[str, object] | None) -> ShellSandbox:
+        """The sandbox takes over one reference on each layer, already acquired here. If the caller is cancelled
+        (once or again and again) meanwhile, the build is still waited for and the sandbox it made torn down
+        before the cancellation goes on: nothing leaks, and the caller may release the snapshot once this
+        returns. A build that fails released its layers itself."""
+        return await finish_in_thread(lambda: self._make(layers, image), undo=lambda sandbox: sandbox._teardown())
 
     def discard(self, snapshot: Snapshot) -> None:
         layers = self.store.lookup(list(snapshot.meta.get("layers", [])))
         if layers is not None:
             self.store.release(layers)
         Path(snapshot.path).unlink(missing_ok=True)
+        if self.persistent:
+            from .persistent_shell import discard_process_state
+
+            discard_process_state(snapshot.meta)  # a CRIU image, for that route
 
     def _layers_of(self, snapshot: Snapshot) -> list[Layer]:
-        if snapshot.kind != KIND:
+        if snapshot.kind != self.kind:
             raise SandboxError(f"cannot fork a shell sandbox from a {snapshot.kind!r} snapshot; use its own backend")
         layers = self.store.lookup(list(snapshot.meta.get("layers", [])), acquire=True)
         if layers is None:
@@ -158,7 +195,7 @@ class ShellSandboxFactory:
         self.store.close()
 
     def __repr__(self) -> str:
-        return f"ShellSandboxFactory({str(self.base)!r}, rootfs={self.rootfs})"
+        return f"ShellSandboxFactory({str(self.base)!r}, rootfs={self.rootfs}, persistent={self.persistent})"
 
 
 class ShellSandbox:
@@ -196,14 +233,16 @@ class ShellSandbox:
         store_root: str | os.PathLike[str] | None = None,
         environment: Mapping[str, str] | None = None,
         fallback: bool = True,
+        persistent: bool = False,
     ) -> ShellSandboxFactory | FolderSandboxFactory:
-        """Shell sandboxes over ``base_dir`` (a tree, or a root filesystem with ``rootfs=True``).
+        """Shell sandboxes over ``base_dir`` (a tree, or a root filesystem with ``rootfs=True``); with
+        ``persistent=True``, one long-lived shell per sandbox (see ``persistent_shell``).
 
         Where overlay mounts are not permitted (not root), returns a ``FolderSandbox`` factory that copies the
         tree instead, with a warning — or raises SandboxError when ``fallback`` is False.
         """
         if not _linux.overlay_supported():
-            if not fallback or rootfs:
+            if not fallback or rootfs or persistent:
                 raise SandboxError(
                     "overlay mounts are not permitted here (run as root on Linux >= 6.8); "
                     "FolderSandbox copies trees instead"
@@ -224,7 +263,16 @@ class ShellSandbox:
             max_layers=max_layers,
             store_root=store_root,
             environment=environment,
+            persistent=persistent,
         )
+
+    @classmethod
+    def from_image(cls, image: str, **options: Any) -> ShellSandboxFactory:
+        """Shell sandboxes (``rootfs=True``) over a container image's filesystem, with its ENV, WORKDIR and USER;
+        ``factory.image`` holds its digest for task ids. See ``tvcache.sandboxes.image``."""
+        from .image import image_factory
+
+        return image_factory(image, **options)
 
     # ----------------------------------------------------------- mounts
 
@@ -277,7 +325,7 @@ class ShellSandbox:
             before = (known_digest or upper_digest(upper)) if prove else None
             result = run_confined(
                 factory.zygote,
-                [factory.bash, "-c", command],
+                [*factory.command_prefix, factory.bash, "-c", command],
                 env=factory.environment,
                 mount_fd=mount_fd,
                 timeout=timeout,
@@ -304,14 +352,10 @@ class ShellSandbox:
             self._require_open()
             if dest.exists():
                 raise SandboxError(f"snapshot destination {dest} already exists; pass a path that does not exist")
-            # Shielded: a cancelled caller must not release the lock while the freeze still runs in its thread.
-            freezing = asyncio.ensure_future(asyncio.to_thread(self._freeze))
-            try:
-                stack, new_bytes = await asyncio.shield(freezing)
-            except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await freezing
-                raise
+            # A cancelled caller keeps the lock until the freeze's thread is done. A freeze that completed anyway
+            # needs no undo: its layer is the sandbox's own (it goes on above it), and the snapshot's references
+            # and file, taken below, are never taken.
+            stack, new_bytes = await finish_in_thread(self._freeze)
             self._store.acquire(stack)  # the snapshot's own references
             layers = [str(layer.path) for layer in stack]
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -356,7 +400,8 @@ class ShellSandbox:
             # The detached mount's root is reachable through its descriptor (from a child too, via our pid):
             # nothing is ever attached.
             source = f"/proc/{os.getpid()}/fd/{merged}/."
-            result = subprocess.run(["cp", "-a", source, str(target)], capture_output=True, text=True, check=False)
+            # Tied: a cp outliving a killed process would go on filling its layer store.
+            result = run_tied(["cp", "-a", source, str(target)], capture_output=True, text=True, check=False)
         finally:
             os.close(merged)
         if result.returncode != 0:
@@ -375,7 +420,8 @@ class ShellSandbox:
     async def state_digest(self) -> str:
         async with self._lock:
             self._require_open()
-            return await asyncio.to_thread(self._state_digest)
+            # Cancelled, the digest still ends before the lock goes: it sets the next call's "before" digest.
+            return await finish_in_thread(self._state_digest)
 
     def _state_digest(self) -> str:
         """Digests of the layers, oldest first, then of the upper if it holds changes. Freezing renames the
@@ -393,7 +439,9 @@ class ShellSandbox:
     async def stop(self) -> None:
         async with self._lock:
             if not self._stopped:
-                await asyncio.to_thread(self._teardown)
+                # Cancelled, the teardown still ends before the lock goes: a call let in meanwhile would find the
+                # mount descriptor open, then closed (or reused) under it.
+                await finish_in_thread(self._teardown)
 
     def _teardown(self) -> None:
         self._stopped = True

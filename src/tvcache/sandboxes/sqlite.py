@@ -21,10 +21,10 @@ statement, in a trigger it fires, or in a column default an ``INSERT`` evaluates
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import os
 import sqlite3
+import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -32,11 +32,15 @@ from types import MappingProxyType
 from ..calls import ToolCall, ToolSpec
 from ..errors import SandboxError, UnknownTool
 from ..protocol import Outcome, Snapshot, discard_snapshot_files
+from ._process import finish_in_thread
 
 __all__ = ["SQL_TOOL", "SQLiteSandbox", "SQLiteSandboxFactory"]
 
 KIND = "sqlite"
 DIGEST_BYTES = 16
+# Pages a snapshot's backup copies per step (4 MiB at the default page size): a cancelled snapshot stops within
+# one step instead of copying the whole database first.
+_BACKUP_PAGES = 1024
 
 SQL_TOOL = ToolSpec(
     name="sql",
@@ -276,19 +280,35 @@ def _open_copy(path: Path, what: str) -> sqlite3.Connection:
     return target
 
 
-def _backup_to_file(connection: sqlite3.Connection, dest: Path) -> int:
+class _Abandoned(Exception):
+    """Raised from a backup's progress callback to stop it: its snapshot was cancelled."""
+
+
+def _backup_to_file(connection: sqlite3.Connection, dest: Path, abandon: threading.Event | None = None) -> int:
+    """Write the database to ``dest``, in steps of ``_BACKUP_PAGES``; stops (leaving no file) once ``abandon``
+    is set."""
     if dest.exists():
         raise SandboxError(f"snapshot destination {dest} already exists; pass a path that does not exist yet")
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(dest.name + ".partial")
     partial.unlink(missing_ok=True)
+
+    def progress(status: int, remaining: int, total: int) -> None:
+        if abandon is not None and abandon.is_set():
+            raise _Abandoned  # the backup is aborted by an exception from its callback
+
     try:
         target = sqlite3.connect(partial)
         try:
-            connection.backup(target)
+            connection.backup(target, pages=_BACKUP_PAGES, progress=progress)
         finally:
             target.close()
+        if abandon is not None and abandon.is_set():
+            raise _Abandoned
         os.replace(partial, dest)  # a crash never leaves a half-written file under the final name
+    except _Abandoned:
+        partial.unlink(missing_ok=True)
+        raise SandboxError(f"the snapshot {dest} was cancelled before it was written") from None
     except (sqlite3.Error, OSError) as error:
         partial.unlink(missing_ok=True)
         raise SandboxError(f"cannot write the snapshot {dest}: {error}; check free space and permissions") from error
@@ -337,7 +357,7 @@ class SQLiteSandboxFactory:
         return self._tools
 
     async def start(self) -> SQLiteSandbox:
-        connection = await asyncio.to_thread(_open_copy, self.base_path, "base database")
+        connection = await _open_in_thread(self.base_path, "base database")
         return SQLiteSandbox(self, connection)
 
     async def fork(self, snapshot: Snapshot) -> SQLiteSandbox:
@@ -348,7 +368,7 @@ class SQLiteSandboxFactory:
             raise SandboxError(
                 f"snapshot file {path} is missing (discarded or deleted); rebuild the state by replaying its calls"
             )
-        connection = await asyncio.to_thread(_open_copy, path, "snapshot")
+        connection = await _open_in_thread(path, "snapshot")
         return SQLiteSandbox(self, connection)
 
     def discard(self, snapshot: Snapshot) -> None:
@@ -358,8 +378,16 @@ class SQLiteSandboxFactory:
         return f"SQLiteSandboxFactory({str(self.base_path)!r}, delay_seconds={self.delay_seconds})"
 
 
+async def _open_in_thread(path: Path, what: str) -> sqlite3.Connection:
+    """``_open_copy`` in a worker thread; a cancelled caller waits until the file is no longer read (a fork's
+    caller may release the snapshot as soon as it returns) and closes the copy."""
+    return await finish_in_thread(lambda: _open_copy(path, what), undo=sqlite3.Connection.close)
+
+
 class SQLiteSandbox:
-    """One private database. Calls are serialised; blocking SQLite work runs in a worker thread."""
+    """One private database. Calls are serialised by a lock; blocking SQLite work runs in a worker thread, and a
+    cancelled caller keeps the lock until that thread is done (``finish_in_thread``), so no two threads ever use
+    the connection at once."""
 
     def __init__(self, factory: SQLiteSandboxFactory, connection: sqlite3.Connection) -> None:
         self._factory = factory
@@ -392,31 +420,34 @@ class SQLiteSandbox:
             await asyncio.sleep(self._factory.delay_seconds)
         async with self._lock:
             connection = self._require_open()
-            work = asyncio.ensure_future(asyncio.to_thread(_run_statement, connection, query, self._factory.max_rows))
-            try:
-                return await asyncio.shield(work)
-            except asyncio.CancelledError:
-                # A worker thread cannot be cancelled: abort its statement instead, and keep the lock until the
-                # thread is done so that the next call never shares the connection with it.
-                connection.interrupt()
-                with contextlib.suppress(Exception):
-                    await work
-                raise
+            max_rows = self._factory.max_rows
+            # Cancelled: abort the statement (its thread cannot be cancelled) and keep the lock until it ends.
+            return await finish_in_thread(
+                lambda: _run_statement(connection, query, max_rows), on_cancel=connection.interrupt
+            )
 
     async def snapshot(self, dest: Path) -> Snapshot:
+        dest = Path(dest)
         async with self._lock:
             connection = self._require_open()
-            size = await asyncio.to_thread(_backup_to_file, connection, Path(dest))
+            abandon = threading.Event()
+            # Cancelled: stop the backup at its next step and keep the lock until it has; a backup that finished
+            # anyway is removed (no one will record it).
+            size = await finish_in_thread(
+                lambda: _backup_to_file(connection, dest, abandon),
+                on_cancel=abandon.set,
+                undo=lambda _: dest.unlink(missing_ok=True),
+            )
         return Snapshot(kind=KIND, path=str(dest), bytes=size)
 
     async def state_digest(self) -> str:
         """blake2b of the database image; equal for identical pages (a fork equals its origin)."""
         async with self._lock:
             connection = self._require_open()
-            return await asyncio.to_thread(_digest_database, connection)
+            return await finish_in_thread(lambda: _digest_database(connection))
 
     async def stop(self) -> None:
         async with self._lock:
             connection, self._connection = self._connection, None
             if connection is not None:
-                await asyncio.to_thread(connection.close)
+                await finish_in_thread(connection.close)

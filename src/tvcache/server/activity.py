@@ -8,12 +8,15 @@ time: an epoch of a GRPO run is a span of rollouts, not of wall-clock time, and 
 * a **hit** is a call answered from the cache: a ``/v1/lookup`` hit, each node id of a ``/v1/touch`` (hits a
   ``RemoteCache`` served from its replica, including calls it waited for while another client executed them),
   and a ``GET /get`` hit; it saves the call's recorded execution time (``node.seconds``).
-* a **miss** is a call a client executed: each ``/v1/insert``, and a ``GET /get`` miss (the reference client
-  executes after one; its ``PUT /put`` is not counted again). A ``/v1/lookup`` miss is not counted: the client
-  goes on to execute the call (an insert) or to run it uncached (a non-deterministic tool), which the cache
-  never sees.
+* a **miss** is a call a client executed: each ``/v1/insert``, and each call a ``PUT /put`` records (the
+  reference client executes after a ``GET /get`` miss, then puts). Lookup misses (``/v1/lookup``, ``GET /get``)
+  are not counted: the client goes on to execute the call (an insert, a put) or to run it uncached (a
+  non-deterministic tool), which the cache never sees.
 
-Tallies live in memory: like ``/metrics`` counters they start at zero when the server starts.
+Tallies live in memory: like ``/metrics`` counters they start at zero when the server starts. They are kept per
+task only for tasks the cache holds (``tracked``): traffic naming a task nobody recorded anything for counts in
+the totals but gets no row, so a client cannot grow the server's memory (and the dashboard's ``/v1/activity``,
+fetched every few seconds) by inventing task names.
 """
 
 from __future__ import annotations
@@ -47,12 +50,20 @@ class Tally:
 class Activity:
     """Tallies by task and epoch. Runs on the server's event loop thread, like the rest of the service."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, *, clock: Callable[[], float] = time.time, tracked: Callable[[str], bool] = lambda task_id: True
+    ) -> None:
         self.started = clock()
+        self._tracked = tracked
         self._tallies: dict[str, dict[int | None, Tally]] = {}
+        self._untracked = Tally()  # traffic of tasks without a row, in the totals only
 
     def _tally(self, task_id: str, epoch: int | None) -> Tally:
-        epochs = self._tallies.setdefault(task_id, {})
+        epochs = self._tallies.get(task_id)
+        if epochs is None:
+            if not self._tracked(task_id):
+                return self._untracked
+            epochs = self._tallies[task_id] = {}
         tally = epochs.get(epoch)
         if tally is None:
             tally = epochs[epoch] = Tally()
@@ -82,6 +93,8 @@ class Activity:
     def total(self, task_id: str | None = None) -> Tally:
         """The sum over one task's epochs, or over everything."""
         total = Tally()
+        if task_id is None:
+            total.add(self._untracked)
         tasks = self._tallies.values() if task_id is None else [self._tallies.get(task_id, {})]
         for epochs in tasks:
             for tally in epochs.values():

@@ -32,7 +32,7 @@ from . import models as m
 from .dashboard import OPEN_PATHS, dashboard_routes
 from .metrics import Histogram, render
 from .service import CacheService, NotFound
-from .wire import MarkStatelessIn, PrefixMatchIn, PutIn, StoreTestResultIn, UnrefIn, WireCompat
+from .wire import WIRE_ROUTES, WireCompat, WireRoute, parse_query
 
 __all__ = ["Guard", "ServerSettings", "create_app"]
 
@@ -158,6 +158,13 @@ class Server:
                 "Never serve a tool from cache again",
                 s.mark_nondeterministic,
             ),
+            (
+                "/v1/tools/nondeterministic/clear",
+                m.ClearNondeterministicIn,
+                m.ClearedOut,
+                "Lift non-determinism marks (by tool and task; null: any)",
+                s.clear_nondeterministic,
+            ),
         ]
         return [
             (JsonRoute("POST", path, request, response, summary), method)
@@ -186,7 +193,7 @@ class Server:
         return endpoint
 
     async def get_stats(self, request: Request) -> Response:
-        return _json(self.service.stats())
+        return _json(self.service.stats() | self.wire.stats())
 
     async def get_tasks(self, request: Request) -> Response:
         return _model(self.service.tasks())
@@ -228,13 +235,13 @@ class Server:
         return await _handle(run)()
 
     async def get_nondeterministic(self, request: Request) -> Response:
-        return _model(m.NondeterministicOut(tools=self.service.cache.nondeterministic_tools))
+        return _model(self.service.nondeterministic())
 
     async def healthz(self, request: Request) -> Response:
         return _json({"status": "ok", "version": __version__})
 
     async def metrics(self, request: Request) -> Response:
-        text = render(self.service.stats(), self.latency, self.statuses)
+        text = render(self.service.stats() | self.wire.stats(), self.latency, self.statuses)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def openapi(self, request: Request) -> Response:
@@ -242,24 +249,21 @@ class Server:
 
     # -------------------------------------------------------------- wire format
 
-    async def wire_get(self, request: Request) -> Response:
-        async def run() -> Response:
-            started = time.perf_counter()
-            result = self.wire.get(_query(request, "task_name"), request.query_params.getlist("tool_calls"))
-            self.latency.observe("/get", time.perf_counter() - started)
-            return _json(result)
-
-        return await _handle(run)()
-
-    def wire_body(
-        self, model: type[BaseModel], method: Callable[[Any], Any]
-    ) -> Callable[[Request], Awaitable[Response]]:
+    def wire_endpoint(self, route: WireRoute) -> Callable[[Request], Awaitable[Response]]:
+        """A reference route (``wire.WIRE_ROUTES``): the JSON body or the query string, and the ``X-Task-Name``
+        header the released client sends for a sharding proxy."""
         limit = self.settings.max_body_bytes
 
         async def endpoint(request: Request) -> Response:
             async def run() -> Response:
-                body = model.model_validate_json(await _read_body(request, limit))
-                result = method(body)
+                if route.body is not None:
+                    given: Any = route.body.model_validate_json(await _read_body(request, limit))
+                else:
+                    given = parse_query(request.query_params, route.query)
+                started = time.perf_counter()
+                result = route.call(self.wire, given, request.headers.get("x-task-name"))
+                if route.timed:
+                    self.latency.observe(route.path, time.perf_counter() - started)
                 if isinstance(result, tuple):
                     return _json(result[1], result[0])
                 return _json(result)
@@ -268,26 +272,6 @@ class Server:
 
         return endpoint
 
-    async def wire_get_test_result(self, request: Request) -> Response:
-        task_name = request.query_params.get("task_name")
-        keys = request.query_params.getlist("tool_calls")
-        if not task_name or not keys:
-            return _json({"error": "task_name and tool_calls are required"}, 400)
-        return await _handle(lambda: _async(_json(self.wire.get_test_result(task_name, keys))))()
-
-    async def wire_get_all_envs(self, request: Request) -> Response:
-        task_name = request.query_params.get("task_name")
-        if not task_name:
-            return _json({"error": "task_name parameter is required"}, 400)
-        return _json(self.wire.get_all_envs(task_name))
-
-    async def wire_visualize(self, request: Request) -> Response:
-        if request.query_params.get("path", "").strip():
-            return _error(
-                400, "unsupported", "reading saved runs from the server's disk is not supported; use GET /v1/graph"
-            )
-        return _json(self.wire.visualize())
-
     # -------------------------------------------------------------- assembly
 
     def routes(self) -> list[Route]:
@@ -295,7 +279,6 @@ class Server:
             Route(route.path, self.json_endpoint(route, method), methods=[route.method])
             for route, method in self.native_routes()
         ]
-        w = self.wire
         routes += [
             Route("/v1/stats", self.get_stats, methods=["GET"]),
             Route("/v1/tasks", self.get_tasks, methods=["GET"]),
@@ -308,15 +291,7 @@ class Server:
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
-            Route("/get", self.wire_get, methods=["GET"]),
-            Route("/put", self.wire_body(PutIn, w.put), methods=["PUT"]),
-            Route("/prefix_match", self.wire_body(PrefixMatchIn, w.prefix_match), methods=["POST"]),
-            Route("/unref", self.wire_body(UnrefIn, w.unref), methods=["POST"]),
-            Route("/mark_stateless", self.wire_body(MarkStatelessIn, w.mark_stateless), methods=["POST"]),
-            Route("/store_test_result", self.wire_body(StoreTestResultIn, w.store_test_result), methods=["POST"]),
-            Route("/get_test_result", self.wire_get_test_result, methods=["GET"]),
-            Route("/get_all_envs", self.wire_get_all_envs, methods=["GET"]),
-            Route("/visualize", self.wire_visualize, methods=["GET"]),
+            *(Route(route.path, self.wire_endpoint(route), methods=[route.method]) for route in WIRE_ROUTES),
             *dashboard_routes(),
         ]
         return routes
@@ -330,7 +305,7 @@ class Server:
         for route, _ in native:
             assert route.request is not None and route.response is not None
             models += [route.request, route.response]
-        models += [PutIn, PrefixMatchIn, UnrefIn, MarkStatelessIn, StoreTestResultIn]
+        models += [route.body for route in WIRE_ROUTES if route.body is not None]
         unique = list(dict.fromkeys(models))
         _, schema = models_json_schema(
             [(model, "validation") for model in unique], ref_template="#/components/schemas/{model}"
@@ -399,22 +374,21 @@ class Server:
         paths["/healthz"] = {"get": operation("Liveness (no auth)", obj)}
         paths["/metrics"] = {"get": operation("Prometheus metrics", {"type": "string"})}
         wire = "Reference TVCache wire format (docs/wire-compat.md): "
-        paths["/get"] = {
-            "get": operation(
-                wire + "exact match", obj, parameters=[query("task_name"), query("tool_calls", repeated=True)]
-            )
+        task_header = {
+            "name": "X-Task-Name",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string"},
+            "description": "the request's task, for a sharding proxy; must agree with task_name ('__admin__': none)",
         }
-        paths["/put"] = {"put": operation(wire + "store a history", obj, ref(PutIn))}
-        paths["/prefix_match"] = {"post": operation(wire + "longest prefix with an env", obj, ref(PrefixMatchIn))}
-        paths["/unref"] = {"post": operation(wire + "release an env reference", obj, ref(UnrefIn))}
-        paths["/mark_stateless"] = {"post": operation(wire + "flag a node stateless", obj, ref(MarkStatelessIn))}
-        paths["/store_test_result"] = {"post": operation(wire + "store a test result", obj, ref(StoreTestResultIn))}
-        paths["/get_test_result"] = {
-            "get": operation(wire + "a stored test result", obj,
-                             parameters=[query("task_name"), query("tool_calls", repeated=True)])
-        }  # fmt: skip
-        paths["/get_all_envs"] = {"get": operation(wire + "every env of a task", obj, parameters=[query("task_name")])}
-        paths["/visualize"] = {"get": operation(wire + "the trees as nested JSON", obj)}
+        for wire_route in WIRE_ROUTES:
+            parameters = [query(q.name, required=q.required, repeated=q.repeated) for q in wire_route.query]
+            paths.setdefault(wire_route.path, {})[wire_route.method.lower()] = operation(
+                wire + wire_route.summary,
+                obj,
+                None if wire_route.body is None else ref(wire_route.body),
+                parameters=[*parameters, task_header],
+            )
         document: dict[str, Any] = {
             "openapi": "3.1.0",
             "info": {"title": "tvcache", "version": __version__},
@@ -425,10 +399,6 @@ class Server:
             document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             document["security"] = [{"bearer": []}]
         return document
-
-
-async def _async(response: Response) -> Response:
-    return response
 
 
 def _query(request: Request, name: str) -> str:
@@ -445,7 +415,11 @@ class Guard:
     ``token``: every request needs ``Authorization: Bearer <token>`` (None: no auth), except ``open_paths`` --
     by default ``/healthz`` and the dashboard's static page and assets (they hold no data; the page sends the
     token with each of its ``/v1`` requests, see ``dashboard``). ``statuses``: a dict counting responses by
-    status code (None: not counted)."""
+    status code (None: not counted).
+
+    WebSocket connections are held to the same rules (no route serves one today; a future one must not be open
+    by accident): refused ones are closed before the handshake completes with code 1008, policy violation, which
+    the HTTP server turns into a 403 response."""
 
     def __init__(
         self,
@@ -463,22 +437,41 @@ class Guard:
         self.statuses = statuses
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         counted = send if self.statuses is None else _counting(send, self.statuses)
-        if self.expected is not None and scope["path"] not in self.open_paths:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = _error(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer ...)")
-                response.headers["WWW-Authenticate"] = "Bearer"
-                await response(scope, receive, counted)
-                return
+        if not self._authorized(scope):
+            response = _error(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer ...)")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            await response(scope, receive, counted)
+            return
         if len(scope.get("query_string", b"")) > self.max_query_bytes:
             limit = self.max_query_bytes
             await _error(414, "too_large", f"query string exceeds {limit} bytes")(scope, receive, counted)
             return
         await self.app(scope, receive, counted)
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self.expected is None or scope["path"] in self.open_paths:
+            return True
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        return hmac.compare_digest(given, self.expected)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self._authorized(scope):
+            reason = "missing or wrong bearer token (Authorization: Bearer ...)"
+        elif len(scope.get("query_string", b"")) > self.max_query_bytes:
+            reason = f"query string exceeds {self.max_query_bytes} bytes"
+        else:
+            await self.app(scope, receive, send)
+            return
+        message = await receive()  # the ASGI server's "websocket.connect"; closing now refuses the handshake
+        if message["type"] == "websocket.connect":
+            await send({"type": "websocket.close", "code": 1008, "reason": reason})
 
 
 def _counting(send: Send, statuses: dict[str, int]) -> Send:
@@ -489,6 +482,42 @@ def _counting(send: Send, statuses: dict[str, int]) -> Send:
         await send(message)
 
     return counted
+
+
+INSTANCE_HEADER = "X-TVCache-Instance"
+
+
+class InstanceCheck:
+    """Node ids mean something only within one server instance (``CacheService.instance``): every response names
+    the instance that answered, and a request naming the instance its ids came from is refused with 409 when
+    that is not this one, before it reads or writes a state the client never saw (a restarted server hands out
+    the same ids for other states). Requests without the header are served as before."""
+
+    def __init__(self, app: ASGIApp, service: CacheService) -> None:
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        instance = self.service.instance
+        header = (INSTANCE_HEADER.lower().encode(), instance.encode())
+
+        async def tagged(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        expected = dict(scope["headers"]).get(header[0])
+        if expected is not None and expected != header[1]:
+            message = (
+                f"this server is instance {instance}, not {expected.decode(errors='replace')[:64]}: it restarted, "
+                "and the node ids the request names may be other states now; drop them and look the history up again"
+            )
+            await _error(409, "instance_changed", message)(scope, receive, tagged)
+            return
+        await self.app(scope, receive, tagged)
 
 
 def create_app(service: CacheService, settings: ServerSettings | None = None) -> ASGIApp:
@@ -519,4 +548,5 @@ def create_app(service: CacheService, settings: ServerSettings | None = None) ->
 
     app = Starlette(routes=server.routes(), lifespan=lifespan, exception_handlers={404: not_found, 405: not_allowed})
     app.state.server = server
-    return Guard(app, token=settings.token, max_query_bytes=settings.max_query_bytes, statuses=server.statuses)
+    checked = InstanceCheck(app, service)
+    return Guard(checked, token=settings.token, max_query_bytes=settings.max_query_bytes, statuses=server.statuses)

@@ -1,6 +1,6 @@
 """The web dashboard: one static page (plain JavaScript drawing SVG, no framework, nothing fetched from a CDN)
 served at ``/dashboard``, reading the read-only JSON routes ``/v1/activity``, ``/v1/tasks``, ``/v1/stats``,
-``/v1/graph/outline`` and ``/v1/node``.
+``/v1/tools/nondeterministic``, ``/v1/graph/outline`` and ``/v1/node``.
 
 Auth: the page and its assets hold no data, so they are served without a token; every data request the page
 makes carries ``Authorization: Bearer <token>`` like any other client. When the server has a token, the page

@@ -41,6 +41,7 @@ class Histogram:
 
 
 _GAUGES = {"tasks", "nodes", "snapshots", "snapshot_bytes", "claims_active", "leases_active", "nondeterministic_tools"}
+_GAUGES |= {"wire_envs", "wire_envs_over_budget_leased", "wire_envs_pending_removal", "wire_leases"}
 
 
 def render(stats: dict[str, Any], histogram: Histogram, requests: dict[str, int]) -> str:

@@ -7,9 +7,10 @@ digest so a client can check that it rebuilt exactly the call the server keyed.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from ..cache import MAX_TASK_ID
 
@@ -33,6 +34,24 @@ class CallIn(Request):
     arguments: dict[str, Any] = Field(default_factory=dict)
 
 
+def _finite(value: Any) -> Any:
+    """``value`` unchanged if every number in it is finite. The JSON parser accepts ``NaN``, ``Infinity`` and
+    overflowing literals such as ``1e400``, but the journal (strict JSON) cannot store them: refused here, before
+    anything is changed, rather than failing half-way through a write."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{item!r} is not a JSON number; send a finite number, or the value as a string")
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return value
+
+
+# Free-form JSON the server stores as it is (snapshot meta): finite numbers only, like the journal.
+FiniteJson = Annotated[Any, AfterValidator(_finite)]
 SnapshotPath = Annotated[str, Field(min_length=1, max_length=4096)]
 
 
@@ -42,7 +61,7 @@ class SnapshotIn(Request):
     kind: Annotated[str, Field(min_length=1, max_length=128)]
     path: SnapshotPath
     bytes: Annotated[int, Field(ge=0, le=2**62)]
-    meta: dict[str, Any] = Field(default_factory=dict)
+    meta: dict[str, FiniteJson] = Field(default_factory=dict)
 
 
 class LookupIn(Request):
@@ -134,8 +153,12 @@ class TestPutIn(Request):
 
 
 class NondeterministicIn(Request):
+    """Mark ``tool`` non-deterministic: in task ``task_id`` only (the scope of the evidence a client saw), or in
+    every task when ``task_id`` is null."""
+
     tool: Annotated[str, Field(min_length=1, max_length=256)]
     reason: Annotated[str, Field(min_length=1, max_length=10_000)]
+    task_id: TaskId | None = None
 
 
 class TouchIn(Request):
@@ -243,8 +266,29 @@ class TasksOut(Response):
     tasks: list[TaskOut]
 
 
+class ClearNondeterministicIn(Request):
+    """Lift the marks of ``tool`` (null: every tool) in task ``task_id`` (null: every task, tool-wide marks
+    included; a tool-wide mark is lifted only then)."""
+
+    tool: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    task_id: TaskId | None = None
+
+
+class ClearedOut(Response):
+    cleared: int
+
+
+class MarkOut(Response):
+    tool: str
+    task_id: str | None  # null: every task
+    reason: str
+
+
 class NondeterministicOut(Response):
+    """``tools``: the marks that hold in every task (tool -> evidence); ``marks``: every mark, with its scope."""
+
     tools: dict[str, str]
+    marks: list[MarkOut] = []
 
 
 class ErrorOut(Response):

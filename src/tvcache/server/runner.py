@@ -3,8 +3,10 @@ background thread for tests and embedding."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import ipaddress
+import json
 import os
 import signal
 import socket
@@ -44,22 +46,102 @@ def check_token(host: str, token: str | None) -> None:
         )
 
 
-def _config(app: Any, **kwargs: Any) -> uvicorn.Config:
+# Room for the path and the rest of the request head around a query string of the maximum size.
+_HEAD_ROOM = 64 * 1024
+
+
+def _refusal(status: int, reason: str, kind: str, message: str, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """A complete HTTP/1.1 response with the API's JSON error body, for requests refused before they reach the app."""
+    body = json.dumps({"error": {"type": kind, "message": message}}, separators=(",", ":")).encode()
+    head = [b"HTTP/1.1 %d %s\r\n" % (status, reason.encode())]
+    head += [name + b": " + value + b"\r\n" for name, value in default_headers]
+    head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+    return b"".join(head) + body
+
+
+def http_protocol(max_query_bytes: int, parser: str = "auto") -> type[asyncio.Protocol]:
+    """uvicorn's HTTP/1.1 protocol (``parser``: httptools, h11, or auto: httptools when installed) accepting
+    query strings up to ``max_query_bytes`` and answering what it refuses in the API's JSON error format.
+
+    Left alone, httptools refuses any URL over 65,535 bytes (``httptools.parse_url`` keeps offsets in 16 bits) and
+    h11 any request head over 16 KiB, with a plain-text ``400 Invalid HTTP request received.``: the wire format's
+    ``GET /get`` of a long history would fail far below the documented limit. Here a URL up to the limit plus
+    ``_HEAD_ROOM`` is parsed (the app's ``Guard`` answers 414 above ``max_query_bytes``); a longer one is refused
+    with a JSON 414 as it arrives, before it is buffered whole."""
+    max_url = max_query_bytes + _HEAD_ROOM
+    try:
+        if parser == "h11":
+            raise ImportError("h11 was asked for")
+        import httptools  # noqa: F401
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        if parser == "httptools":
+            raise
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        class H11(H11Protocol):  # its head limit is set by ``h11_max_incomplete_event_size`` (see ``_config``)
+            def send_400_response(self, msg: str) -> None:
+                message = f"not a valid HTTP/1.1 request, or a request line and headers over {max_url} bytes"
+                headers = self.server_state.default_headers
+                self.transport.write(_refusal(400, "Bad Request", "bad_request", message, headers))
+                self.transport.close()
+
+        return H11
+
+    class HttpTools(HttpToolsProtocol):
+        url_too_long = False
+
+        def on_url(self, url: bytes) -> None:
+            super().on_url(url)
+            if len(self.url) > max_url:
+                self.url_too_long = True
+                raise ValueError("URL too long")  # stops the parser: answered by send_400_response
+
+        def on_headers_complete(self) -> None:
+            url = self.url
+            if len(url) <= 65535:
+                super().on_headers_complete()
+                return
+            # Too long for httptools.parse_url: let it parse the path alone, and take the query from here.
+            path, _, query = url.partition(b"?")
+            self.url = path
+            try:
+                super().on_headers_complete()
+            finally:
+                self.url = url  # a WebSocket upgrade replays the request line from it
+            if "path" in self.scope:  # the request goes on (not an upgrade): its task has not run yet
+                self.scope["query_string"] = query.partition(b"#")[0]
+
+        def send_400_response(self, msg: str) -> None:
+            headers = self.server_state.default_headers
+            if self.url_too_long:
+                message = f"query string exceeds {max_query_bytes} bytes"
+                response = _refusal(414, "URI Too Long", "too_large", message, headers)
+            else:
+                response = _refusal(400, "Bad Request", "bad_request", "not a valid HTTP/1.1 request", headers)
+            self.transport.write(response)
+            self.transport.close()
+
+    return HttpTools
+
+
+def _config(app: Any, *, max_query_bytes: int, parser: str = "auto", **kwargs: Any) -> uvicorn.Config:
     try:
         import uvloop  # noqa: F401
 
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
-    try:
-        import httptools  # noqa: F401
-
-        http = "httptools"
-    except ImportError:
-        http = "h11"
     # Clients (rollout workers) keep connections open between bursts of calls: do not drop them after 5 s idle.
     return uvicorn.Config(
-        app, loop=loop, http=http, access_log=False, log_level="warning", timeout_keep_alive=75, **kwargs
+        app,
+        loop=loop,
+        http=http_protocol(max_query_bytes, parser),
+        h11_max_incomplete_event_size=max_query_bytes + _HEAD_ROOM,
+        access_log=False,
+        log_level="warning",
+        timeout_keep_alive=75,
+        **kwargs,
     )
 
 
@@ -80,8 +162,9 @@ def serve(
     service = CacheService(data_dir, budget=budget, fsync=fsync, claim_ttl=claim_ttl, lease_ttl=lease_ttl)
     tune_gc()
     try:
-        app = create_app(service, ServerSettings(token=token, max_body_bytes=max_body_bytes))
-        server = uvicorn.Server(_config(app, host=host, port=port))
+        settings = ServerSettings(token=token, max_body_bytes=max_body_bytes)
+        app = create_app(service, settings)
+        server = uvicorn.Server(_config(app, max_query_bytes=settings.max_query_bytes, host=host, port=port))
         where = "memory (nothing survives a restart)" if data_dir is None else str(data_dir)
         print(f"tvcache serve: http://{host}:{port} data: {where}", file=sys.stderr, flush=True)
         server.run()
@@ -127,15 +210,23 @@ def serve_shards(shards: int, *, host: str, port: int, data_dir: str | Path | No
 
 class AppThread:
     """Any ASGI ``app`` on 127.0.0.1 in a background thread, on a free port unless ``port`` is given (tests,
-    notebooks, embedding). Its URL is ``url``; ``with`` starts and stops it."""
+    notebooks, embedding). Its URL is ``url``; ``with`` starts and stops it. ``max_query_bytes`` and ``parser``:
+    see ``http_protocol`` (the app's own limit is checked by its ``Guard``)."""
 
-    def __init__(self, app: ASGIApp, *, port: int = 0) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        port: int = 0,
+        max_query_bytes: int = ServerSettings.max_query_bytes,
+        parser: str = "auto",
+    ) -> None:
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", port))
         self.port: int = self._socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(_config(app))
+        self._server = uvicorn.Server(_config(app, max_query_bytes=max_query_bytes, parser=parser))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
     def start(self, timeout: float = 10.0) -> Self:
@@ -166,7 +257,8 @@ class ServerThread(AppThread):
     embedding). Closing the service stays with the caller."""
 
     def __init__(self, service: CacheService, settings: ServerSettings | None = None, *, port: int = 0) -> None:
-        super().__init__(create_app(service, settings), port=port)
+        settings = settings or ServerSettings()
+        super().__init__(create_app(service, settings), port=port, max_query_bytes=settings.max_query_bytes)
         self.service = service
 
 

@@ -20,25 +20,30 @@ import json
 import secrets
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..cache import Cache
+from ..cache import _check_task_id as check_task_id
 from ..calls import ToolCall
-from ..errors import InvalidInput
-from ..graph import Lease, Node, ToolCallGraph
+from ..errors import InvalidInput, TVCacheError
+from ..graph import Lease, Node, ToolCallGraph, snapshot_key
 from ..policies import Budget
 from ..protocol import Outcome, Snapshot
 from . import models as m
 from .activity import Activity, Tally
 
-__all__ = ["CacheService", "NotFound"]
+__all__ = ["CacheService", "NotFound", "ServerBusy"]
 
 
 class NotFound(InvalidInput):
     """A task, node, claim or lease the request names does not exist (HTTP 404)."""
+
+
+class ServerBusy(TVCacheError):
+    """The server holds as many claims or leases as it takes (HTTP 503): retry once some have ended."""
 
 
 ClaimKey = tuple[str, int, bytes]
@@ -103,19 +108,29 @@ class CacheService:
         fsync: bool = False,
         claim_ttl: float = 30.0,
         lease_ttl: float = 600.0,
+        max_held: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._evicted: list[Snapshot] = []
         self.cache = Cache(
             data_dir, budget=budget, fsync=fsync, discard=self._evicted.append, verify_snapshots=False, clock=clock
         )
+        # Which server process the node ids in answers belong to. Random per start, even with a data directory: a
+        # restarted server (in memory, or one whose journal lost records) hands out ids again for other states, so
+        # clients drop what they hold of an earlier instance (HTTP header ``X-TVCache-Instance``, see app.py).
+        self.instance = secrets.token_hex(8)
         self.claim_ttl = claim_ttl
         self.lease_ttl = lease_ttl
+        # Claims and leases live up to their TTL (clients may ask for a day): without a bound, any client could
+        # grow the server's memory by asking for many.
+        self.max_held = max_held
         self._clock = clock
         self._claims: dict[ClaimKey, Claim] = {}
         self._claims_by_id: dict[str, Claim] = {}
         self.leases: dict[str, HeldLease] = {}
-        self.activity = Activity()
+        # Run after each lease is released (expiry included): the wire format evicts what only a lease kept.
+        self.release_hooks: list[Callable[[HeldLease], None]] = []
+        self.activity = Activity(tracked=self.cache.__contains__)
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "lookups",
@@ -141,6 +156,15 @@ class CacheService:
     def graph(self, task_id: str) -> ToolCallGraph:
         """The task's graph, created on first use (a write creates a task; lookups never do)."""
         return self.cache.graph(task_id)
+
+    def write_target(self, task_id: str, node_id: int) -> tuple[ToolCallGraph, Node]:
+        """The graph and state a write goes to. A task is created by its first write, which can only go to its
+        root: a write naming another node of a task that does not exist is refused before a graph is created
+        (an empty graph would stay in memory forever)."""
+        if node_id != 0 and task_id not in self.cache:
+            raise NotFound(f"task {task_id!r} has no node {node_id}; look the history up again")
+        graph = self.graph(task_id)
+        return graph, self.state_node(graph, node_id)
 
     def existing_graph(self, task_id: str) -> ToolCallGraph | None:
         return self.cache.graph(task_id) if task_id in self.cache else None
@@ -221,8 +245,11 @@ class CacheService:
 
     def insert(self, body: m.InsertIn) -> m.InsertOut:
         call = to_call(body.call)
-        graph = self.graph(body.task_id)
-        parent = self.state_node(graph, body.parent)
+        if call.name == "tvcache.wire":  # wire readers serve this node: it must be what PUT /put would store
+            from .wire import check_wire_insert
+
+            check_wire_insert(call.name, call.arguments, body.output)
+        graph, parent = self.write_target(body.task_id, body.parent)
         existing = parent.step(call)
         outcome = Outcome(output=body.output, is_error=body.is_error)
         node = self.cache._record(graph, parent, call, outcome, body.seconds, body.read_only)
@@ -245,15 +272,22 @@ class CacheService:
     def claim(self, body: m.ClaimIn) -> m.ClaimOut:
         self.counters["claims"] += 1
         call = to_call(body.call)
-        graph = self.graph(body.task_id)
-        state = self.state_node(graph, body.state)
-        node = self.cache._lookup(graph, state, call)
-        if node is not None:
-            return m.ClaimOut(status="hit", node=node_out(node))
-        key = (graph.task_id, state.id, call.digest)
+        # A claim on a task nobody recorded yet creates nothing: the owner's insert creates the task (claims
+        # are kept for their TTL only; a graph would be kept forever, even when the owner never inserts).
+        graph = self.existing_graph(body.task_id)
+        if graph is None:
+            check_task_id(body.task_id)
+            if body.state != 0:
+                raise NotFound(f"task {body.task_id!r} has no node {body.state}; look the history up again")
+        else:
+            node = self.cache._lookup(graph, self.state_node(graph, body.state), call)
+            if node is not None:
+                return m.ClaimOut(status="hit", node=node_out(node))
+        key = (body.task_id, body.state, call.digest)
         current = self._live_claim(key)
         if current is not None:
             return m.ClaimOut(status="wait", claim_id=None)
+        self._make_room(self._claims, "claims")
         ttl = body.ttl or self.claim_ttl
         claim = Claim(id=secrets.token_hex(12), key=key, expires=self._clock() + ttl)
         self._claims[key] = claim
@@ -306,17 +340,16 @@ class CacheService:
         """Long-poll until the claim on (state, call) finishes, fails, expires, or ``timeout`` passes."""
         self.counters["waits"] += 1
         call = to_call(body.call)
-        graph = self.existing_graph(body.task_id)
-        if graph is None:
-            return m.WaitOut(status="none")
-        state = self.state_node(graph, body.state)
         deadline = time.monotonic() + body.timeout
         while True:
-            node = state.step(call)
-            if node is not None:
-                self.counters["coalesced"] += 1
-                return m.WaitOut(status="done", node=node_out(node))
-            claim = self._live_claim((graph.task_id, state.id, call.digest))
+            # Looked up on every round: the claimed call may be the first of its task, whose insert creates it.
+            graph = self.existing_graph(body.task_id)
+            if graph is not None:
+                node = self.state_node(graph, body.state).step(call)
+                if node is not None:
+                    self.counters["coalesced"] += 1
+                    return m.WaitOut(status="done", node=node_out(node))
+            claim = self._live_claim((body.task_id, body.state, call.digest))
             if claim is None:
                 return m.WaitOut(status="none")
             remaining = deadline - time.monotonic()
@@ -339,26 +372,36 @@ class CacheService:
     # ------------------------------------------------------------------ snapshots
 
     def attach(self, body: m.AttachIn) -> m.AttachOut:
-        graph = self.graph(body.task_id)
-        node = self.state_node(graph, body.node_id)
+        graph, node = self.write_target(body.task_id, body.node_id)
         snapshot = Snapshot(
             kind=body.snapshot.kind, path=body.snapshot.path, bytes=body.snapshot.bytes, meta=body.snapshot.meta
         )
+        key = snapshot_key(snapshot)
+        if graph.snapshot_paths.get(key) == node.id:
+            # The node holds this very storage already (a retried attach): handing the record back to be freed
+            # would delete the snapshot the node still holds.
+            return m.AttachOut(attached=False, evicted=[])
+        if any(key in self.cache.graph(task).snapshot_paths for task in self.cache.tasks()):
+            # A record is only a client's claim about a path, and evicted records go back to clients to free:
+            # a second record of storage another node holds would let evicting it free that node's data.
+            raise InvalidInput(
+                f"snapshot path {snapshot.path!r:.300} is attached to another node already; "
+                "each snapshot needs storage of its own"
+            )
         attached, evicted = self.attach_snapshot(graph, node, snapshot)
         return m.AttachOut(attached=attached, evicted=[snapshot_out(old) for old in evicted])
 
     def attach_snapshot(self, graph: ToolCallGraph, node: Node, snapshot: Snapshot) -> tuple[bool, list[Snapshot]]:
         """Attach; returns whether it was attached and the snapshots whose owners must now free them (the new
         one itself when the node already had a snapshot)."""
-        had = node.snapshot is not None
         self._evicted.clear()
-        self.cache._attach_snapshot(graph, node, snapshot)
+        attached = self.cache._attach_snapshot(graph, node, snapshot)
         evicted = list(self._evicted)
         self._evicted.clear()
-        if not had:
+        if attached:
             self.counters["snapshots_attached"] += 1
             self.counters["snapshots_evicted"] += len(evicted)
-        return not had, evicted
+        return attached, evicted
 
     def lease(self, body: m.LeaseIn) -> m.LeaseOut:
         graph = self.existing_graph(body.task_id)
@@ -383,7 +426,20 @@ class CacheService:
         self.counters["snapshots_evicted"] += len(evicted)
         return m.DropOut(dropped=bool(evicted), evicted=[snapshot_out(old) for old in evicted])
 
+    def _make_room(self, held: Mapping[Any, Any], what: str) -> None:
+        if len(held) >= self.max_held:
+            self.sweep()
+            if len(held) >= self.max_held:
+                raise ServerBusy(
+                    f"the server holds {len(held)} {what}, its limit (max_held); retry once some have ended"
+                )
+
     def hold(self, lease: Lease, task_id: str, *, ttl: float | None = None, tag: str | None = None) -> HeldLease:
+        try:
+            self._make_room(self.leases, "leases")
+        except ServerBusy:
+            self.cache._release(lease)
+            raise
         expires = self._clock() + (ttl or self.lease_ttl)
         held = HeldLease(id=secrets.token_hex(12), lease=lease, task_id=task_id, expires=expires, tag=tag)
         self.leases[held.id] = held
@@ -398,6 +454,8 @@ class CacheService:
         if held is None:
             return False
         self.cache._release(held.lease)
+        for hook in self.release_hooks:
+            hook(held)
         return True
 
     def sweep(self) -> int:
@@ -425,8 +483,7 @@ class CacheService:
         return m.TestOut(found=found, value=value)
 
     def test_put(self, body: m.TestPutIn) -> m.OkOut:
-        graph = self.graph(body.task_id)
-        node = self.state_node(graph, body.node_id)
+        graph, node = self.write_target(body.task_id, body.node_id)
         self.cache._record_test(graph, node, body.key, body.value)
         self.counters["tests_stored"] += 1
         return m.OkOut(ok=True)
@@ -434,8 +491,25 @@ class CacheService:
     def mark_nondeterministic(self, body: m.NondeterministicIn) -> m.NondeterministicOut:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.cache.mark_nondeterministic(body.tool, body.reason)
-        return m.NondeterministicOut(tools=self.cache.nondeterministic_tools)
+            if body.task_id is None:
+                self.cache.mark_nondeterministic(body.tool, body.reason)
+            elif body.task_id not in self.cache:
+                # marks are evidence seen in a task's calls: one naming a task never recorded would be kept
+                # (journaled) forever, for nothing
+                raise NotFound(f"task {body.task_id!r:.300} is not in the cache; mark tools in tasks it holds")
+            else:
+                self.cache._mark_nondeterministic_in(body.task_id, body.tool, body.reason)
+        return self.nondeterministic()
+
+    def clear_nondeterministic(self, body: m.ClearNondeterministicIn) -> m.ClearedOut:
+        return m.ClearedOut(cleared=self.cache.clear_nondeterministic(body.tool, task_id=body.task_id))
+
+    def nondeterministic(self) -> m.NondeterministicOut:
+        marks = self.cache.nondeterministic_marks()
+        return m.NondeterministicOut(
+            tools={mark.tool: mark.reason for mark in marks if mark.task_id is None},
+            marks=[m.MarkOut(tool=mark.tool, task_id=mark.task_id, reason=mark.reason) for mark in marks],
+        )
 
     # ------------------------------------------------------------------ inspection
 
@@ -524,6 +598,7 @@ class CacheService:
         return node_out(self.node(task_id, node_id), hits=True)
 
     def close(self) -> None:
+        self.release_hooks.clear()  # shutting down is not a lease going: nothing is evicted for it
         for lease_id in list(self.leases):
             self.release_lease(lease_id)
         for claim in list(self._claims.values()):

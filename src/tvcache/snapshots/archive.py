@@ -12,6 +12,9 @@ compares them). Every extended attribute is kept (``SCHILY.xattr.<name>`` record
 excludes, so symlinks, modes (setuid included), owners, ACLs, hard links, FIFOs, device nodes and empty
 directories come through. Inode numbers and change times are not in the archive.
 
+GNU tar runs tied to the process that starts it (``tvcache._children``): when that process is killed, tar dies
+with it instead of writing on into a node cache's ``.partial`` entry or a layer store.
+
 Unpacking restores owners when running as root (as GNU tar does by default; an unprivileged process cannot) and
 exact modes always, checks nothing but lets GNU tar refuse what would land outside the tree (``..`` in names,
 writing through a symlink): the blob's digest is verified before. An attribute it cannot restore (a
@@ -26,10 +29,10 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from .._children import run
 from ..errors import SandboxError
 
 __all__ = ["FIXED_PATH", "pack_tree", "require_gnu_tar", "unpack_tree"]
@@ -48,7 +51,7 @@ def require_gnu_tar() -> str:
     tar = shutil.which("tar", path=FIXED_PATH)
     version = ""
     if tar is not None:
-        result = subprocess.run([tar, "--version"], capture_output=True, text=True, env=_ENVIRONMENT, check=False)
+        result = run([tar, "--version"], capture_output=True, text=True, env=_ENVIRONMENT, check=False)
         version = result.stdout.partition("\n")[0]
     if tar is None or "GNU tar" not in version:
         raise SandboxError(
@@ -72,7 +75,7 @@ def pack_tree(path: Path, *, exclude_xattrs: Sequence[str] = ()) -> bytes:
         *(f"--xattrs-exclude={name}" for name in exclude_xattrs),
         _PAX_OPTIONS,
     )
-    result = subprocess.run(
+    result = run(
         [require_gnu_tar(), *create, "--file=-", f"--directory={path}", "."],
         capture_output=True,
         env=_ENVIRONMENT,
@@ -80,7 +83,8 @@ def pack_tree(path: Path, *, exclude_xattrs: Sequence[str] = ()) -> bytes:
     )
     if result.returncode != 0:  # 1 is "a file changed while read": never right for a frozen tree
         raise SandboxError(f"cannot pack {path}: {_errors(result.stderr)}")
-    return result.stdout
+    archive: bytes = result.stdout
+    return archive
 
 
 def unpack_tree(data: bytes, dest: Path, *, what: str = "a published tree") -> None:
@@ -88,7 +92,7 @@ def unpack_tree(data: bytes, dest: Path, *, what: str = "a published tree") -> N
     attributes, and owners when root. On failure ``dest`` is removed and SandboxError names ``what``."""
     same_owner = "--same-owner" if os.geteuid() == 0 else "--no-same-owner"
     dest.mkdir()
-    result = subprocess.run(
+    result = run(
         [require_gnu_tar(), *_EXTRACT, same_owner, "--file=-", f"--directory={dest}"],
         input=data,
         capture_output=True,

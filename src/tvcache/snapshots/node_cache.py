@@ -7,7 +7,9 @@ every process of the node, bounded by bytes, least recently used first, never ev
 reading.
 
 An entry appears under its digest only complete: it is written as ``<digest>.<token>.partial`` and renamed, so a
-process killed while writing one leaves a ``.partial`` that no fork ever reads. Forks trust the entries (they
+process killed while writing one leaves a ``.partial`` that no fork ever reads. A writer pins its digest while
+it writes, and the tar it may run dies with it, so a ``.partial`` no one pins is abandoned: the next tidying pass
+on the node removes it, and one still pinned is never touched. Forks trust the entries (they
 are not verified again), so the cache's directory must be this user's alone: the default is per user
 (``tvcache-node-cache-<uid>`` in the temp directory, mode 0700), and a root owned by another user or writable by
 group or others is refused.
@@ -161,11 +163,16 @@ class NodeCache:
         return dest
 
     def _install(self, digest: str, fmt: str, data: bytes) -> None:
-        """Unpack ``data`` as ``digest``'s entry: into a ``.partial``, renamed only when complete."""
+        """Unpack ``data`` as ``digest``'s entry: into a ``.partial``, renamed only when complete.
+
+        The writer pins the digest itself while it writes (whether or not its caller does), so no process takes
+        the ``.partial`` for abandoned while it is being written. GNU tar, which writes a tree, dies with this
+        process (``tvcache._children``), so once the pin goes with a killed writer nothing writes there any more.
+        """
         dest = self.path(digest)
         partial = self.root / f"{digest}.{secrets.token_hex(4)}.partial"
         try:
-            with self._failures(f"write entry {digest[:16]}"):
+            with self._failures(f"write entry {digest[:16]}"), self.pinned(digest):
                 unpack(data, fmt, partial)
                 try:
                     os.rename(partial, dest)

@@ -173,7 +173,7 @@ class ShardActor:
         if path == "/v1/path":
             return s.path(_param(params, "task_id"), _int_param(params, "node_id")).model_dump(mode="json")
         if path == "/v1/tools/nondeterministic":
-            return m.NondeterministicOut(tools=s.cache.nondeterministic_tools).model_dump(mode="json")
+            return s.nondeterministic().model_dump(mode="json")
         if path == "/v1/tasks":
             return s.tasks().model_dump(mode="json")
         if path == "/v1/graph":
@@ -354,7 +354,11 @@ class RayShardClient(RemoteCache):
         self.actor = actor
         self.name = name
 
-    def _request(self, method: str, path: str, body: Any = None, params: Any = None) -> Any:
+    def _request(
+        self, method: str, path: str, body: Any = None, params: Any = None, *, instance: str | None = None
+    ) -> Any:
+        # ``instance`` is not sent: actor replies name no server instance, so ``_instance`` stays None here and
+        # a reconstructed actor is caught only by the replica's node identity check (``RemoteCache._adopt``).
         payload = None if body is None else json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
         query = None if params is None else {key: str(value) for key, value in params.items()}
         try:
@@ -363,7 +367,7 @@ class RayShardClient(RemoteCache):
             raise ServerError(0, f"shard actor {self.name} did not answer {path}: {error!r}") from error
         return self._reply(reply, path)
 
-    async def _arequest(self, path: str, body: Any) -> Any:
+    async def _arequest(self, path: str, body: Any, *, instance: str | None = None) -> Any:
         payload = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
         try:
             reply = await self.actor.request.remote("POST", path, payload, None)

@@ -100,7 +100,9 @@ function showLogin(message) {
 
 async function refresh() {
   try {
-    const [health, stats, activity] = await Promise.all([api("/healthz"), api("/v1/stats"), api("/v1/activity")]);
+    const [health, stats, activity, nondeterministic] = await Promise.all([
+      api("/healthz"), api("/v1/stats"), api("/v1/activity"), api("/v1/tools/nondeterministic"),
+    ]);
     showError("");
     $("login").hidden = true;
     $("main").hidden = false;
@@ -115,6 +117,7 @@ async function refresh() {
     renderShards(stats);
     renderTasks(activity);
     renderEpochs(activity);
+    renderNondeterministic(nondeterministic);
     await refreshGraph();
   } catch (error) {
     if (error instanceof Unauthorized) {
@@ -163,6 +166,23 @@ function renderCards(stats) {
       el("div", { class: "card", "data-card": key }, el("div", { class: "value" }, value), el("div", { class: "label" }, label)),
     ),
   );
+}
+
+// The tools this server no longer serves from cache — in every task, or in the one task whose evidence showed
+// it — with the evidence.
+function renderNondeterministic(answer) {
+  const marks = (answer.marks || []).slice().sort((a, b) => a.tool.localeCompare(b.tool));
+  $("nondeterministic-section").hidden = marks.length === 0;
+  const rows = marks.map((mark) =>
+    el(
+      "tr",
+      { "data-tool": mark.tool },
+      el("td", { class: "mono" }, mark.tool),
+      el("td", mark.task_id === null ? {} : { class: "mono" }, mark.task_id === null ? "every task" : mark.task_id),
+      el("td", {}, mark.reason),
+    ),
+  );
+  $("nondeterministic").tBodies[0].replaceChildren(...rows);
 }
 
 // Only `tvcache ray dashboard` sends `shards` (its shard actors, each up or down with a message); a plain

@@ -1,0 +1,469 @@
+"""CRIU process snapshots: dump a confined process tree to an image directory and restore copies of it.
+
+This is the *CRIU route* of persistent shell snapshots (issue 13): when processes live on beside the shell (a
+background server, a REPL), the sandbox's whole process tree is dumped, and every fork restores it into fresh
+namespaces over the fork's own files. The tree must be what the zygote starts: its root is PID 1 of its own PID
+namespace and leads its own session (``setsid`` ran inside the namespace), with its own mount, network, IPC and
+UTS namespaces. Then any number of restored copies can live at once, each in a new PID namespace that CRIU
+creates, so PIDs never clash with the original or with each other (nor with an old tree still being reaped).
+
+What crosses the boundary, and how:
+
+* the terminal: the shell's pty slave (its master is in the main process) is dumped as an external tty, and a
+  restore is handed a new pty slave in its place (``tty_fd``), which becomes the restored session's terminal;
+* the files: the sandbox's tree (a detached overlay mount attached inside the namespace at
+  ``tree_mountpoint``) is dumped as an external mount, and a restore binds the fork's tree (``tree_mount_fd``)
+  there; every other mount is the host's, seen read-only (``--ext-mount-map auto``);
+* nothing else: no other descriptor from outside is dumped or handed in (a tree holding one, such as a socket
+  to the outside, fails to dump: the snapshot is declined). Network locking is skipped: the tree's network
+  namespace has only its own loopback.
+
+Each restored tree is held by a small *keeper* process (``_criu_keeper``), its parent, through the zygote's
+``Spawned`` handle (``RestoredTree``): ``kill``, ``send_signal``, ``wait``, ``returncode`` as for a command the
+zygote started; ``close`` (or the end of the main process) kills the tree.
+
+Finding CRIU: ``$TVCACHE_CRIU``, else ``/var/cache/tvcache/criu/criu`` (written by ``scripts/install-criu.sh``,
+``make criu``), else ``criu`` on PATH; it must be recent enough for this kernel and pass ``criu check``
+(``find_criu``; probed once per process). Without it, ``find_criu`` returns None and says why, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CriuError
+from ._zygote import Spawned
+
+__all__ = [
+    "INSTALLED_PATH",
+    "Criu",
+    "CriuDump",
+    "CriuRestore",
+    "RestoredTree",
+    "criu_unavailable_reason",
+    "discard_images",
+    "find_criu",
+    "required_version",
+]
+
+CRIU_ENV = "TVCACHE_CRIU"
+INSTALLED_PATH = "/var/cache/tvcache/criu/criu"
+META_FILE = "tvcache-criu.json"
+TREE_KEY = "tvcache-tree"
+DUMP_TIMEOUT = 60.0
+RESTORE_TIMEOUT = 60.0
+PROBE_TIMEOUT = 30.0
+STOP_SECONDS = 5.0  # for CRIU to clean up after a timeout, before it is killed
+LOG_LINES = 25
+# CRIU runs ip(8) to save and restore a network namespace's addresses and routes; nothing else of our environment
+# reaches it.
+CRIU_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+_PTY_MAJORS = range(136, 144)  # Unix98 pty slaves
+_VERSION = re.compile(r"^Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", re.MULTILINE)
+# Options of both directions: mounts of the host seen in the tree's namespace are bound from the host's own
+# (auto), including shared or slave ones; network locking needs iptables/nftables and guards only connections
+# to the outside, which the tree's private loopback cannot have.
+_MOUNTS = ("--ext-mount-map", "auto", "--enable-external-sharing", "--enable-external-masters")
+
+
+def required_version(kernel: str | None = None) -> tuple[int, int]:
+    """The oldest CRIU that can snapshot a shell with live processes on this kernel. Kernels >= 6.13 add a
+    ``[vvar_vclock]`` mapping CRIU < 4.1 rejects (criu#2532); kernels >= 6.16 refuse ``SO_PASSCRED`` on inet
+    sockets, which CRIU < 4.2 fails on when dumping any TCP socket, such as a background server's (criu#2705)."""
+    release = kernel if kernel is not None else os.uname().release
+    match = re.match(r"(\d+)\.(\d+)", release)
+    numbers = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+    return (4, 2) if numbers >= (6, 16) else (4, 1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CriuDump:
+    """A dumped tree: its image directory (``discard_images`` removes it), how long the dump took and its
+    size; ``tty`` and ``tree`` say what a restore must be handed (a terminal, the fork's tree)."""
+
+    images: Path
+    seconds: float
+    image_bytes: int
+    tty: str | None
+    tree: str | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CriuRestore:
+    """A restored copy: its handle (kill, wait, close as for a zygote's command), its root's PID in the
+    caller's namespace, and how long the restore took until the tree ran."""
+
+    tree: RestoredTree
+    pid: int
+    seconds: float
+
+
+class RestoredTree(Spawned):
+    """A restored tree, through its keeper. ``close`` kills the tree (when it still runs) and reaps the keeper."""
+
+    def __init__(self, channel: socket.socket, keeper: subprocess.Popen[bytes]) -> None:
+        super().__init__(channel)
+        self._keeper = keeper
+
+    def close(self) -> None:
+        super().close()  # the keeper sees its channel close: it kills the tree, reaps it and exits
+        try:
+            self._keeper.wait(10)
+        except subprocess.TimeoutExpired:
+            self._keeper.kill()
+            self._keeper.wait()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Criu:
+    """A working CRIU: ``path`` runs it (a binary, or the installer's wrapper), ``version`` as it reports it."""
+
+    path: str
+    version: tuple[int, int, int]
+
+    def dump(
+        self,
+        pid: int,
+        images: str | os.PathLike[str],
+        *,
+        tree_mountpoint: str | None = None,
+        leave_running: bool = True,
+        timeout: float = DUMP_TIMEOUT,
+    ) -> CriuDump:
+        """Dump the tree rooted at ``pid`` (in the caller's PID namespace) into ``images``, a directory that
+        must not exist yet. ``tree_mountpoint``: where the sandbox's tree is attached inside the tree's mount
+        namespace (a restore then needs a tree to put there). With ``leave_running`` (the default) the tree goes
+        on afterwards, as it does when the dump fails. Raises CriuError with CRIU's log; nothing is left then."""
+        images = Path(images)
+        try:
+            images.mkdir(parents=True)
+        except FileExistsError:
+            raise CriuError(f"CRIU image directory {images} already exists; pass a path that does not") from None
+        try:
+            tty = _tty_key(pid)
+            argv = [self.path, "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", *_MOUNTS]
+            argv += ["--network-lock", "skip"]
+            if leave_running:
+                argv.append("--leave-running")
+            if tty is not None:
+                argv += ["--external", tty]
+            if tree_mountpoint is not None:
+                argv += ["--external", f"mnt[{tree_mountpoint}]:{TREE_KEY}"]
+            for mountpoint in _foreign_mounts(pid, tree_mountpoint):
+                argv += ["--skip-mnt", mountpoint]
+            began = time.perf_counter()
+            code, output = _run(argv, timeout)
+            seconds = time.perf_counter() - began
+            if code != 0:
+                raise CriuError(
+                    f"criu dump of process {pid} failed ({_how(code, timeout)}):\n"
+                    f"{_log_tail(images / 'dump.log', output)}"
+                )
+            meta = {"tty": tty, "tree": tree_mountpoint, "criu": ".".join(map(str, self.version))}
+            (images / META_FILE).write_text(json.dumps(meta))
+            size = sum(entry.stat().st_size for entry in images.iterdir() if entry.is_file())
+            return CriuDump(images=images, seconds=seconds, image_bytes=size, tty=tty, tree=tree_mountpoint)
+        except BaseException:
+            shutil.rmtree(images, ignore_errors=True)
+            raise
+
+    def restore(
+        self,
+        images: str | os.PathLike[str],
+        *,
+        tty_fd: int | None = None,
+        tree_mount_fd: int | None = None,
+        last_pid: int | None = None,
+        timeout: float = RESTORE_TIMEOUT,
+    ) -> CriuRestore:
+        """Restore a copy of the tree dumped in ``images``, in new namespaces, and return once it runs.
+        ``tty_fd``: the new terminal (a pty slave) when the tree had one; ``tree_mount_fd``: the fork's tree (a
+        detached mount) when the dump named a ``tree_mountpoint``; ``last_pid``: the last PID handed out in the
+        dumped tree's PID namespace (its ``ns_last_pid``), so that the copy's next process gets the PID the
+        original's would have (CRIU's own restore moves it). The caller keeps its descriptors. Raises CriuError
+        with CRIU's log when the restore fails; nothing is left running or mounted then."""
+        images = Path(images)
+        meta = _read_meta(images)
+        if meta.get("tty") and tty_fd is None:
+            raise CriuError(f"the tree in {images} had a terminal: pass a pty slave as tty_fd to restore it")
+        if meta.get("tree") and tree_mount_fd is None:
+            raise CriuError(f"the tree in {images} ran over a sandbox tree: pass the fork's as tree_mount_fd")
+        scratch = Path(tempfile.mkdtemp(prefix=f"tvcache-criu-{os.getpid()}-"))  # per process: leak checks
+        try:
+            return self._restore(images, meta, scratch, tty_fd, tree_mount_fd, last_pid, timeout)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _restore(
+        self,
+        images: Path,
+        meta: dict[str, object],
+        scratch: Path,
+        tty_fd: int | None,
+        tree_mount_fd: int | None,
+        last_pid: int | None,
+        timeout: float,
+    ) -> CriuRestore:
+        argv = [self.path, "restore", "-D", str(images), "-W", str(scratch), "-o", "restore.log", *_MOUNTS]
+        # Detached, with the root as the keeper's child; `--root /`: the tree's mounts are rebuilt under the
+        # host's root, the external ones bound from it.
+        argv += ["-d", "--restore-sibling", "--pidfile", str(scratch / "pid"), "--root", "/"]
+        inherit = []
+        if meta.get("tty") and tty_fd is not None:
+            argv += ["--inherit-fd", f"fd[{tty_fd}]:{meta['tty']}"]
+            inherit.append(tty_fd)
+        spec = {
+            "argv": argv,
+            "pidfile": str(scratch / "pid"),
+            "log": str(scratch / "restore.log"),
+            "scratch": str(scratch),
+            "mount_fd": tree_mount_fd if meta.get("tree") else None,
+            "tree_key": TREE_KEY,
+            "inherit": inherit,
+            "last_pid": last_pid,
+        }
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        began = time.perf_counter()
+        try:
+            passed = [theirs.fileno(), *inherit]
+            if spec["mount_fd"] is not None:
+                passed.append(tree_mount_fd)  # type: ignore[arg-type]
+            keeper = subprocess.Popen(
+                [*_keeper_command(), str(theirs.fileno()), json.dumps(spec)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                cwd="/",
+                env={"PATH": CRIU_PATH},
+                pass_fds=passed,
+                start_new_session=True,
+            )
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        tree = RestoredTree(mine, keeper)
+        try:
+            deadline = time.monotonic() + timeout
+            # ``exited`` handles the messages that came (the pid among them) before ``pid`` is looked at.
+            while not tree.exited and tree.pid is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CriuError(f"criu restore of {images} did not finish within {timeout:g} s")
+                select.select([mine], [], [], remaining)
+            if tree.pid is None:
+                # Spawned words a silent end as the zygote's; here it is the keeper's.
+                said = [error for error in tree.errors if "zygote" not in error]
+                raise CriuError(said[0] if said else f"criu restore of {images}: its keeper process died")
+        except BaseException:
+            tree.close()
+            raise
+        return CriuRestore(tree=tree, pid=tree.pid, seconds=time.perf_counter() - began)
+
+
+def discard_images(images: str | os.PathLike[str]) -> None:
+    """Remove a dump's image directory (idempotent)."""
+    shutil.rmtree(images, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------- finding CRIU
+
+_warned = False
+
+
+def find_criu(*, warn: bool = True) -> Criu | None:
+    """The CRIU to use, or None (``criu_unavailable_reason`` says why; with ``warn``, a RuntimeWarning says
+    it once per process). Probed once per process: ``--version`` and ``criu check`` cost ~100 ms."""
+    found = _probe()
+    if isinstance(found, Criu):
+        return found
+    global _warned
+    if warn and not _warned:
+        _warned = True
+        warnings.warn(
+            f"CRIU process snapshots are unavailable: {found}; persistent shells with live processes decline "
+            "snapshots (later states are replayed)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return None
+
+
+def criu_unavailable_reason() -> str | None:
+    """Why ``find_criu`` finds no CRIU, or None when it finds one."""
+    found = _probe()
+    return None if isinstance(found, Criu) else found
+
+
+@functools.cache
+def _probe() -> Criu | str:
+    if sys.platform != "linux":
+        return "CRIU runs on Linux only"
+    if os.geteuid() != 0:
+        return "CRIU needs root"
+    explicit = os.environ.get(CRIU_ENV)
+    on_path = shutil.which("criu")
+    candidates = [explicit] if explicit else [INSTALLED_PATH, *([on_path] if on_path else [])]
+    reasons = []
+    for path in candidates:
+        found = _try(path)
+        if isinstance(found, Criu):
+            return found
+        reasons.append(f"{path}: {found}")
+    if not reasons:
+        return f"no CRIU at {INSTALLED_PATH} or on PATH (install one with `make criu`)"
+    return "; ".join(reasons) + " (install a working one with `make criu`)"
+
+
+def _try(path: str) -> Criu | str:
+    if not os.access(path, os.X_OK):
+        return "not found" if not os.path.exists(path) else "not executable"
+    try:
+        reported = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=PROBE_TIMEOUT, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"does not run ({error})"
+    match = _VERSION.search(reported.stdout)
+    if match is None:
+        return f"reports no version ({(reported.stdout + reported.stderr).strip()[:200]!r})"
+    version = (int(match.group(1)), int(match.group(2)), int(match.group(3) or 0))
+    wanted = required_version()
+    if version[:2] < wanted:
+        return (
+            f"CRIU {'.'.join(map(str, version))} is too old for kernel {os.uname().release} "
+            f"(needs >= {wanted[0]}.{wanted[1]})"
+        )
+    try:
+        check = subprocess.run(
+            [path, "check"], capture_output=True, text=True, timeout=PROBE_TIMEOUT, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"`criu check` did not finish ({error})"
+    if check.returncode != 0:
+        lines = [line for line in (check.stdout + check.stderr).splitlines() if "Error" in line]
+        return f"`criu check` fails on this kernel: {' / '.join(lines[-3:]) or check.returncode}"
+    return Criu(path=path, version=version)
+
+
+# -------------------------------------------------------------------------------------------- helpers
+
+
+def _tty_key(pid: int) -> str | None:
+    """CRIU's key (``tty[rdev:dev]``) of the pty slave the root has as stdio, if any: its master is outside."""
+    for fd in (0, 1, 2):
+        try:
+            info = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if stat.S_ISCHR(info.st_mode) and os.major(info.st_rdev) in _PTY_MAJORS:
+            return f"tty[{info.st_rdev:x}:{info.st_dev:x}]"
+    return None
+
+
+def _foreign_mounts(pid: int, tree_mountpoint: str | None) -> list[str]:
+    """Mounts the tree's namespace copied from the host that belong to other containers (their overlay roots,
+    their network namespace files): they come and go with those containers, and a restore that must bind one
+    that is gone fails. They are left out of the dump (a restored copy sees the directories under them)."""
+    try:
+        lines = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        before, _, after = line.partition(" - ")
+        fields = before.split()
+        if len(fields) < 5 or not after:
+            continue
+        mountpoint = re.sub(r"\\([0-7]{3})", lambda octal: chr(int(octal.group(1), 8)), fields[4])
+        if after.split()[0] in ("overlay", "nsfs") and mountpoint != tree_mountpoint:
+            found.append(mountpoint)
+    return found
+
+
+def _run(argv: list[str], timeout: float) -> tuple[int, str]:
+    """Run CRIU in its own session with no descriptor of ours; killed (and reaped) on timeout or interrupt."""
+    process = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd="/",
+        env={"PATH": CRIU_PATH},
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except BaseException:
+        # SIGTERM first: CRIU then takes its parasite code out of the tree and lets it go on, whereas a
+        # SIGKILL while the parasite runs takes the tree down with it.
+        for signum, grace in ((signal.SIGTERM, STOP_SECONDS), (signal.SIGKILL, None)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signum)
+            try:
+                process.communicate(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        if isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+            return -1, f"(killed after {timeout:g} s)"
+        raise
+    return process.returncode, output.decode(errors="replace")
+
+
+def _how(code: int, timeout: float) -> str:
+    if code == -1:
+        return f"timed out after {timeout:g} s"
+    return f"exit {code}" if code >= 0 else f"killed by signal {-code}"
+
+
+def _log_tail(log: Path, output: str) -> str:
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = output.splitlines()
+    errors = [line for line in lines if "Error" in line or "BUG" in line]
+    return "\n".join((errors or lines)[-LOG_LINES:]) or "(CRIU wrote no log)"
+
+
+def _read_meta(images: Path) -> dict[str, object]:
+    try:
+        meta = json.loads((images / META_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise CriuError(f"{images} holds no usable CRIU dump ({error})") from None
+    if not isinstance(meta, dict):
+        raise CriuError(f"{images} holds no usable CRIU dump (malformed {META_FILE})")
+    return meta
+
+
+_BOOTSTRAP = """\
+import importlib, sys, types
+package = types.ModuleType("_tvcache_criu")
+package.__path__ = [sys.argv[1]]
+sys.modules["_tvcache_criu"] = package
+importlib.import_module("_tvcache_criu._criu_keeper").serve(int(sys.argv[2]), sys.argv[3])
+"""
+
+
+def _keeper_command() -> list[str]:
+    if not sys.executable:
+        raise CriuError("cannot start the CRIU keeper process: sys.executable is unknown")
+    directory = str(Path(__file__).resolve().parent)
+    return [sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, directory]

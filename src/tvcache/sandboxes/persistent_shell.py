@@ -1,0 +1,315 @@
+"""Persistent shell sandboxes: one long-lived, confined bash per sandbox (``ShellSandbox.factory(tree,
+persistent=True)``), as the harnesses that keep a terminal per rollout drive it (Terminus/tmux, SWE-ReX,
+OpenHands). The working directory, variables, functions, aliases, options, umask, traps and background jobs
+persist from one ``sh`` call to the next; the files live on the same overlay layers as one-shot shell sandboxes.
+
+Confinement is the one-shot flavour's: the zygote starts bash as PID 1 of fresh namespaces (read-only host,
+private /tmp, own loopback, minimal /dev, dropped capabilities), here with a pty as its terminal (``_pty_shell``
+has the protocol). Every call's outcome reports ``changed_state=True``: in a persistent shell even ``cat`` moves
+``$LINENO`` and ``$_``, so no call can be proved read-only.
+
+Snapshots go by the route ``shell_state.choose_route`` picks (counted in ``ShellSandboxFactory.route_counts``):
+
+* **shell state** (bash alone in its namespace): its state is captured by a trap, the old shell ends, the files
+  freeze as usual, and the sandbox goes on in a shell restored from the capture, exactly as every fork of the
+  snapshot will (the restore checks itself against the capture, so the sandbox and its forks cannot differ);
+* **CRIU** (``criu_route``) when processes live beside the shell (a background server, a REPL, a tmux server),
+  or it holds what the shell-state route cannot carry (``exec 3>file``, ``$!``), and a working CRIU exists: the
+  process tree is dumped next to the snapshot (``<dest>.criu``) and ends, the files freeze, and the sandbox
+  goes on in a copy restored over its new upper layer, as every fork does (each restore checked against the
+  state captured before the dump);
+* **declined** otherwise (no CRIU, a dump that fails, a socket to the outside, ...): ``SnapshotDeclined``, the
+  shell goes on untouched (unless a failed dump took it down: then it ended, as below), and later states of
+  the rollout are rebuilt by replay.
+
+The routes are tried in the order of ``factory.snapshot_routes`` (default ``ROUTES``: shell state, then CRIU);
+narrow it (``(ShellStateRoute(),)``) to never use CRIU. Forks find the route that made a snapshot by its name.
+
+When the shell ends (``exit``, ``exec false``, a kill), the call returns what it printed and a note, with
+``is_error`` and ``deterministic=False``. The sandbox is no longer trusted: the *next* call starts a new shell in
+the same files (its output begins with a note saying so), as a harness restarting its session would, and every
+outcome from then on is non-deterministic, so nothing it does is cached, and it is never snapshotted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..calls import ToolCall
+from ..errors import InvalidToolCall, SandboxError, SnapshotDeclined
+from ..protocol import Outcome, Snapshot
+from ._process import ShellResult, command_timeout, render_shell, run_in_worker, validated
+from ._pty_shell import PtyResult, PtyShell
+from .criu_route import CriuRoute
+from .layers import Layer
+from .shell import ShellSandbox, ShellSandboxFactory, _hard_linked
+from .shell_state import (
+    ShellLaunch,
+    ShellState,
+    ShellStateRoute,
+    SnapshotPlace,
+    SnapshotRoute,
+    SnapshotStrategy,
+    choose_route,
+    route_of,
+)
+
+__all__ = ["PERSISTENT_KIND", "ROUTES", "PersistentShellSandbox", "discard_process_state"]
+
+# Every route a persistent shell snapshot can take, the cheapest first; forks look a snapshot's route up here.
+ROUTES: tuple[SnapshotStrategy, ...] = (ShellStateRoute(), CriuRoute())
+
+PERSISTENT_KIND = "shell-persistent"
+NEW_SHELL_NOTE = "[a new shell was started: the previous one ended; its variables, functions and jobs are gone]"
+
+
+def _ended_note(code: int | None) -> str:
+    how = "" if code is None else (f" with code {code}" if code >= 0 else f" (killed by signal {-code})")
+    return (
+        f"[the shell ended{how}; the next call starts a new shell in the same files, "
+        "and nothing this sandbox does is cached from now on]"
+    )
+
+
+class PersistentShellSandbox(ShellSandbox):
+    """One overlay sandbox with one long-lived shell. Calls are serialised; blocking work runs in threads."""
+
+    def __init__(self, factory: ShellSandboxFactory, layers: list[Layer], image: dict[str, Any] | None) -> None:
+        self._shell: PtyShell | None = None
+        self._untrusted: str | None = None
+        super().__init__(factory, layers)
+        try:
+            self._shell = self._start_shell(image)
+        except BaseException:
+            self._teardown()
+            raise
+
+    def _start_shell(self, image: dict[str, Any] | None) -> PtyShell:
+        factory = self._factory
+        mount_fd = self._require_open()
+
+        def start(boot: str, last_pid: int | None) -> PtyShell:
+            return PtyShell(
+                factory.zygote,
+                bash=factory.bash,
+                env=factory.environment,
+                mount_fd=mount_fd,
+                boot=boot,
+                last_pid=last_pid,
+            )
+
+        if image is None:
+            return start("", None)
+        return route_of(image, ROUTES).restore(ShellLaunch(fresh=start, mount_fd=mount_fd), image)
+
+    # ---------------------------------------------------------- execute
+
+    async def execute(self, call: ToolCall) -> Outcome:
+        _, arguments = validated(call, self._factory.tools)
+        timeout = command_timeout(arguments, self._factory.timeout)
+        command = arguments["cmd"]
+        if "\x00" in command:
+            raise InvalidToolCall("tool 'sh': a command cannot contain NUL characters (bash never sees them)")
+        async with self._lock:
+            self._require_open()
+            run = functools.partial(self._run_command, command, timeout)
+            try:
+                result, restarted, code = await run_in_worker(run, self._kill_shell)
+            except OSError as error:
+                raise SandboxError(f"cannot run a command in the persistent shell: {error}") from error
+        return self._render(result, restarted, code, timeout)
+
+    def _run_command(
+        self, command: str, timeout: float, abandon: threading.Event
+    ) -> tuple[PtyResult, bool, int | None]:
+        restarted = False
+        if self._shell is None or not self._shell.alive:
+            if self._shell is not None:
+                self._shell.close()
+            self._shell = None
+            self._untrusted = self._untrusted or "its shell ended"
+            self._shell = self._start_shell(None)
+            restarted = True
+        shell = self._shell
+        result = shell.run(command, timeout=timeout, limit=self._factory.max_output_bytes, abandon=abandon)
+        code = None
+        if result.died:
+            self._untrusted = "its shell ended"
+            code = shell.spawned.returncode if shell.spawned is not None else None
+        return result, restarted, code
+
+    def _render(self, result: PtyResult, restarted: bool, code: int | None, timeout: float) -> Outcome:
+        plain = ShellResult(
+            output=result.output,
+            total_bytes=result.total_bytes,
+            returncode=result.status or 0,
+            timed_out=result.timed_out,
+            escaped=False,
+        )
+        outcome = render_shell(plain, self._factory.max_output_bytes, timeout)
+        text = outcome.output
+        if result.died:
+            text += ("" if not text or text.endswith("\n") else "\n") + _ended_note(code)
+        if restarted:
+            text = NEW_SHELL_NOTE + "\n" + text
+        return Outcome(
+            output=text,
+            is_error=outcome.is_error or result.died,
+            changed_state=True,
+            deterministic=outcome.deterministic and self._untrusted is None,
+        )
+
+    def _kill_shell(self) -> None:
+        shell = self._shell
+        if shell is not None:
+            shell.kill()
+
+    # --------------------------------------------------------- snapshots
+
+    async def snapshot(self, dest: Path) -> Snapshot:
+        dest = Path(dest)
+        async with self._lock:
+            self._require_open()
+            if dest.exists():
+                raise SandboxError(f"snapshot destination {dest} already exists; pass a path that does not exist")
+            work = asyncio.ensure_future(asyncio.to_thread(self._snapshot, dest))
+            try:
+                route, image, stack, new_bytes = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await work
+                raise
+            self._store.acquire(stack)  # the snapshot's own references
+            layers = [str(layer.path) for layer in stack]
+            meta = {"layers": layers, "route": route.value, "shell": image}
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            partial = dest.with_name(dest.name + ".partial")
+            partial.write_text(json.dumps({"kind": PERSISTENT_KIND, "base": str(self._factory.base), **meta}))
+            os.replace(partial, dest)
+        return Snapshot(kind=PERSISTENT_KIND, path=str(dest), bytes=new_bytes, meta=meta)
+
+    def _snapshot(self, dest: Path) -> tuple[SnapshotRoute, dict[str, Any], list[Layer], int]:
+        factory = self._factory
+        shell = self._shell
+        place = SnapshotPlace(
+            images=dest.with_name(dest.name + ".criu"),
+            tree=None if factory.rootfs else str(factory.base),
+            confinement=factory.confinement,
+        )
+        try:
+            untrusted = self._untrusted
+            if shell is None or not shell.alive:
+                untrusted = untrusted or "its shell ended"
+            assert shell is not None or untrusted is not None
+            self._check_freezable()
+            strategy, image = choose_route(shell, untrusted, factory.snapshot_routes, place)  # type: ignore[arg-type]
+            image["route"] = strategy.route.value
+        except SnapshotDeclined:
+            if shell is not None and not shell.alive and self._untrusted is None:
+                # A process dump that failed late took the tree down: the next call starts a new shell.
+                self._untrusted = "its shell ended during a failed snapshot"
+            factory.count_route(SnapshotRoute.DECLINED)
+            raise
+        # The old shell writes through the mount that the freeze turns into a read-only layer: it ends first
+        # (a CRIU dump ended it already), and the sandbox goes on in a shell restored on the new mount, exactly
+        # as the snapshot's forks will.
+        assert shell is not None
+        shell.close()
+        self._shell = None
+        try:
+            stack, new_bytes = self._freeze()
+        except SnapshotDeclined:
+            # Hard links appeared since the check (a background process): the files stay as they were, and the
+            # shell comes back from its capture on the same mount.
+            self._resume(strategy, image)
+            factory.count_route(SnapshotRoute.DECLINED)
+            raise
+        except BaseException:
+            strategy.discard(image)
+            raise
+        try:
+            self._shell = self._start_shell(image)
+        except SandboxError as error:
+            strategy.discard(image)
+            self._untrusted = f"its shell could not be restored after a snapshot ({error})"
+            self._shell = self._start_shell(None)
+            factory.count_route(SnapshotRoute.DECLINED)
+            raise SnapshotDeclined(f"the restored shell did not match the captured one: {error}") from error
+        if strategy.route is SnapshotRoute.CRIU:
+            self._adopt_reference(image)
+        factory.count_route(strategy.route)
+        return strategy.route, image, stack, new_bytes + int(image.get("image_bytes", 0))
+
+    def _adopt_reference(self, image: dict[str, Any]) -> None:
+        """The state forks of a CRIU snapshot are checked against: this sandbox's own restored copy's, the first
+        restore of the image (its live processes may have moved it on since the capture before the dump)."""
+        data = self._shell.capture() if self._shell is not None else None
+        if data is not None:
+            state = ShellState.parse(data)
+            image["state"] = data.decode("utf-8", errors="surrogateescape")
+            last_pid = state.lines("last-pid")
+            if last_pid and last_pid[0].isdigit():
+                image["last_pid"] = int(last_pid[0])
+
+    def _resume(self, strategy: SnapshotStrategy, image: dict[str, Any]) -> None:
+        """Bring the shell back from a capture that no snapshot keeps; a new shell (untrusted) if that fails."""
+        try:
+            self._shell = self._start_shell(image)
+        except SandboxError as error:
+            self._untrusted = f"its shell could not be restored after a declined snapshot ({error})"
+            self._shell = self._start_shell(None)
+        finally:
+            strategy.discard(image)
+
+    def _check_freezable(self) -> None:
+        linked = _hard_linked(self._upper)
+        if linked is not None:
+            raise SnapshotDeclined(
+                f"{linked} has hard links made in this sandbox, which overlayfs would split in a fork; "
+                "not snapshotting this state"
+            )
+
+    async def state_digest(self) -> str:
+        """The files' digest and the shell's captured state (its line count included): equal for a sandbox and
+        its forks. A shell that does not answer the capture digests as unique."""
+        async with self._lock:
+            self._require_open()
+            return await asyncio.to_thread(self._digest)
+
+    def _digest(self) -> str:
+        files = self._state_digest()
+        shell = self._shell
+        data = shell.capture() if shell is not None and shell.alive else None
+        if data is None:
+            return hashlib.blake2b(os.urandom(16), digest_size=16).hexdigest()
+        state = ShellState.parse(data).canonical() + f"\n[lineno]\n{shell.lineno if shell else 0}"
+        return hashlib.blake2b(f"{files}\n{state}".encode(errors="surrogateescape"), digest_size=16).hexdigest()
+
+    # -------------------------------------------------------------- stop
+
+    def _teardown(self) -> None:
+        shell, self._shell = self._shell, None
+        if shell is not None:
+            shell.close()
+        super()._teardown()
+
+    @property
+    def trusted(self) -> bool:
+        """False once the shell ended (or could not be restored): nothing this sandbox does is cached."""
+        return self._untrusted is None
+
+
+def discard_process_state(meta: Mapping[str, Any]) -> None:
+    """Delete what a persistent shell snapshot keeps besides its layers (a CRIU image); for factory.discard."""
+    image = meta.get("shell")
+    if isinstance(image, Mapping) and image.get("route") is not None:
+        route_of(image, ROUTES).discard(image)

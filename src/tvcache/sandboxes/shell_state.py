@@ -1,0 +1,390 @@
+"""Snapshot routes of a live persistent shell, and the *shell state* route: bash's state read with its own
+builtins and rebuilt in a fresh shell.
+
+A snapshot of a persistent shell is its files (the overlay freeze every shell sandbox does) plus its process
+state, carried by the cheapest exact route. ``choose_route`` is the one place that picks it, per snapshot: each
+strategy in order either refuses (saying why) or captures; when every one refuses, the snapshot is declined
+(``SnapshotDeclined``) and later states replay, slower but never wrong. Strategies are small objects with a
+``route`` name: this one, and the CRIU route for live processes (``criu_route``); ``ROUTES`` lists both, the
+cheaper first.
+
+The shell-state route applies when bash is the only process in its namespace and holds no descriptor besides
+its terminal. It captures (``__tvcache_capture``, run by a trap so no line is typed): ``$?``, ``$_``, the
+positional parameters, the working directory, every variable with its attributes (exported or not, readonly,
+arrays, namerefs) except bash's dynamic ones, functions and their attributes, aliases, ``shopt`` and ``set``
+options, umask, traps, the directory stack, the command hash table and the namespace's last PID. A fork starts
+a fresh shell whose boot script unsets what a fresh shell defines, then declares all of it; typed empty lines
+bring ``$LINENO`` to the same count, and one line sets ``$?`` and ``$_``. The fork then captures its own state
+and compares it with the snapshot's: any difference fails the fork (the cache then rebuilds the state by
+replay), so a fork never runs in a different state.
+
+What this route cannot carry makes it refuse: other processes (background jobs, coprocs), extra descriptors
+(``exec 3>file``), a finished job bash has not reported or a ``$!`` (both name PIDs of the old namespace),
+DEBUG/RETURN/ERR traps (they would fire on the restore itself), history turned on, functions that read
+``$LINENO`` (bash renumbers a function's lines when it lists it), a removed working directory, files in the
+shell's private tmpfs directories (``/tmp``, ``/dev/shm``, ...: a fresh shell gets empty ones). Not carried, by
+design: ``$RANDOM``'s generator (seeded anew), ``$SECONDS``, the hash table's hit counts, ``\\#`` in PS1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import re
+import secrets
+import string
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..errors import SandboxError, SnapshotDeclined
+from ._pty_shell import GRACE_SECONDS, PtyShell, ansi_c_quote
+from ._zygote import Confinement
+
+__all__ = [
+    "ShellLaunch",
+    "ShellProbe",
+    "ShellState",
+    "ShellStateRoute",
+    "SnapshotPlace",
+    "SnapshotRoute",
+    "SnapshotStrategy",
+    "choose_route",
+    "route_of",
+]
+
+# bash's dynamic and read-only variables: never unset (they would lose their meaning), never restored, not
+# compared. COLUMNS/LINES are ordinary here: bash sets them after a command, so they are state like the rest.
+DYNAMIC = frozenset(
+    """BASH BASHOPTS BASHPID BASH_ALIASES BASH_ARGC BASH_ARGV BASH_ARGV0 BASH_CMDS BASH_COMMAND
+    BASH_EXECUTION_STRING BASH_LINENO BASH_SOURCE BASH_SUBSHELL BASH_VERSINFO BASH_VERSION COMP_WORDBREAKS
+    DIRSTACK EPOCHREALTIME EPOCHSECONDS EUID FUNCNAME GROUPS HISTCMD LINENO PIPESTATUS PPID RANDOM SECONDS
+    SHELLOPTS SRANDOM UID _""".split()
+)
+# Set by the line that ends a fork's boot, so that the typed padding lines print no prompt and run nothing.
+PROMPT_VARIABLES = ("PS0", "PS1", "PROMPT_COMMAND")
+UNSETTABLE_OPTIONS = ("login_shell", "restricted_shell")
+FIRING_TRAPS = ("DEBUG", "RETURN", "ERR")
+MAX_BOOT_BYTES = 100_000  # the boot script travels in an environment variable (128 KiB at most)
+_SECTION = re.compile(r"^@@tvcache:([a-z-]+)@@$", re.MULTILINE)
+_DECLARATION = re.compile(r"^declare -(\S+) ([A-Za-z_][A-Za-z0-9_]*)(=|$)")
+
+
+class SnapshotRoute(enum.Enum):
+    """How a snapshot of a persistent shell carried its process state (counted per factory)."""
+
+    SHELL_STATE = "shell-state"
+    CRIU = "criu"
+    DECLINED = "declined"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShellProbe:
+    """What the route chooser knows about a live shell, read from outside it before anything is captured."""
+
+    untrusted: str | None  # why nothing this shell does may be cached any more, or None
+    children: tuple[int, ...]  # processes besides the shell in its namespace (their parent is PID 1)
+    foreign_descriptors: tuple[str, ...]  # descriptors besides its terminal
+    firing_traps: bool = False  # a DEBUG or RETURN trap (the last epilogue saw it)
+    scratch_files: tuple[str, ...] = ()  # files made in its private tmpfs directories (/tmp, /dev, ...)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SnapshotPlace:
+    """Where a snapshot being taken may keep what does not fit its metadata."""
+
+    images: Path  # a directory a route may create for a process image (it does not exist yet)
+    tree: str | None  # where the sandbox's tree is attached inside the shell's namespace (None: a root filesystem)
+    confinement: Confinement  # the shell's private directories and devices (its tmpfs mounts, not in the layers)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShellLaunch:
+    """What a route restoring a snapshot gets from the sandbox: ``fresh(boot_script, last_pid)`` starts a new
+    confined shell over the sandbox's tree, ``mount_fd`` is that tree (a detached overlay mount)."""
+
+    fresh: Callable[[str, int | None], PtyShell]
+    mount_fd: int
+
+
+class SnapshotStrategy(Protocol):
+    """One way to carry a live shell's process state into a snapshot and back into forks."""
+
+    route: SnapshotRoute
+
+    def refusal(self, probe: ShellProbe) -> str | None:
+        """Why this route cannot carry this shell (None: it can try)."""
+        ...
+
+    def capture(self, shell: PtyShell, place: SnapshotPlace) -> dict[str, Any]:
+        """The snapshot's process part (JSON-representable), or SnapshotDeclined. The shell may be gone after a
+        capture that succeeded (its state is in the capture: the sandbox goes on in a restored copy)."""
+        ...
+
+    def restore(self, launch: ShellLaunch, image: Mapping[str, Any]) -> PtyShell:
+        """A live shell in the captured state; SandboxError (nothing left running) if not."""
+        ...
+
+    def discard(self, image: Mapping[str, Any]) -> None:
+        """Delete what the capture kept outside the snapshot's metadata (idempotent)."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShellState:
+    """A shell's state as ``__tvcache_capture`` printed it, by section."""
+
+    sections: Mapping[str, str]
+
+    @classmethod
+    def parse(cls, data: bytes) -> ShellState:
+        text = data.decode("utf-8", errors="surrogateescape")
+        marks = list(_SECTION.finditer(text))
+        sections = {}
+        for mark, following in zip(marks, [*marks[1:], None], strict=True):
+            end = following.start() if following is not None else len(text)
+            sections[mark.group(1)] = text[mark.end() + 1 : end]
+        return cls(sections=sections)
+
+    def lines(self, name: str) -> list[str]:
+        return self.sections.get(name, "").splitlines()
+
+    def variables(self) -> dict[str, str]:
+        """Declarations by name, without bash's dynamic variables and the protocol's own."""
+        found = {}
+        for line in self.lines("vars"):
+            match = _DECLARATION.match(line)
+            if match and match.group(2) not in DYNAMIC and not match.group(2).startswith("__tvcache"):
+                found[match.group(2)] = line
+        return found
+
+    def canonical(self) -> str:
+        """Everything a later command could observe, in a fixed order: equal for indistinguishable shells."""
+        parts = []
+        for name in sorted(self.sections):
+            body = "\n".join(self.variables().values()) if name == "vars" else self.sections[name]
+            parts.append(f"[{name}]\n{body}")
+        return "\n".join(parts)
+
+    def refusal(self) -> str | None:
+        """What in this state the shell-state route cannot carry, or None."""
+        if self.lines("jobs"):
+            return f"the shell has jobs ({self.lines('jobs')[0].strip()})"
+        if self.lines("last-background") and self.lines("last-background")[0]:
+            return "$! names a background process of this shell's PID namespace"
+        cwd = self.lines("cwd")
+        if len(cwd) != 2:
+            return "the working directory cannot be read (removed, or a name with a newline)"
+        for line in self.lines("traps") + self.lines("top-traps"):
+            if line.rsplit(" ", 1)[-1] in FIRING_TRAPS:
+                return f"a {line.rsplit(' ', 1)[-1]} trap would fire on the restore itself"
+        if "set -o history" in self.lines("set"):
+            return "command history is on (it holds the protocol's lines)"
+        if "LINENO" in self.sections.get("functions", ""):
+            return "a function reads $LINENO, which bash renumbers when it lists the function"
+        if not self.lines("status") or not self.lines("last-pid"):
+            return "the captured state is incomplete"
+        return None
+
+    def boot_script(self) -> str:
+        """The script a fresh shell sources at boot to take this state (before the prompt variables)."""
+        names = " ".join(f"${{!{letter}@}}" for letter in string.ascii_letters + "_")
+        keep = "|".join(sorted(DYNAMIC))
+        out = [
+            f"for __tvcache_n in {names}; do case $__tvcache_n in {keep}) ;; "
+            '*) builtin unset -v "$__tvcache_n" ;; esac; done; builtin unset -v __tvcache_n',
+            f"builtin cd -P -- {ansi_c_quote(self.lines('cwd')[1])} || :",
+        ]
+        # Plain `declare`: behind `builtin`, bash would not parse array assignments. No user function or alias
+        # exists yet to shadow it (they are restored below).
+        out += [line for name, line in self.variables().items() if name not in PROMPT_VARIABLES]
+        out.append(self.sections.get("functions", "").rstrip("\n"))
+        out += [f"builtin {line}" for line in self.lines("function-attributes") if not line.startswith("declare -f ")]
+        out.append(f"builtin umask {self.lines('umask')[0]}" if self.lines("umask") else "")
+        out.append("builtin hash -r")
+        out += self.lines("hash")
+        out.append("builtin dirs -c")
+        out += [f"builtin pushd -n -- {ansi_c_quote(entry)} >/dev/null" for entry in reversed(self.lines("dirs")[1:])]
+        args = self.lines("args")
+        out.append("builtin set -- " + " ".join(args[1:]) if args[1:] else "builtin set --")
+        # The compatNN options follow BASH_COMPAT (restored with the variables); setting them would unset it.
+        out += [
+            f"builtin {line}"
+            for line in self.lines("shopt")
+            if line.split()[-1] not in UNSETTABLE_OPTIONS and not line.split()[-1].startswith("compat")
+        ]
+        traps = self.lines("traps") + self.lines("top-traps")
+        out += [f"builtin {line}" for line in traps if not line.endswith(" SIGRTMAX")]
+        out += [f"builtin {line}" for line in self.lines("set")]
+        out += [f"builtin {line}" for line in self.lines("aliases")]
+        return "\n".join(line for line in out if line) + "\n"
+
+    def prompt_script(self) -> str:
+        variables = self.variables()
+        return "\n".join(f"builtin {variables[name]}" for name in PROMPT_VARIABLES if name in variables)
+
+
+def probe(shell: PtyShell, untrusted: str | None, confinement: Confinement) -> ShellProbe:
+    return ShellProbe(
+        untrusted=untrusted,
+        children=tuple(shell.children()),
+        foreign_descriptors=tuple(shell.foreign_descriptors()),
+        firing_traps=shell.firing_traps,
+        scratch_files=tuple(scratch_files(shell.pid, confinement)),
+    )
+
+
+def scratch_files(pid: int, confinement: Confinement, limit: int = 3) -> list[str]:
+    """Up to ``limit`` files the shell made in its private tmpfs directories (``/tmp``, ``/var/tmp``, ``/run``,
+    ``/dev/shm`` and ``/dev`` itself), seen from outside through ``/proc/<pid>/root``. They live in the shell's
+    mount namespace, not in the sandbox's layers: a fresh shell has empty ones (but for the directories leading
+    to the tree, when it sits below one of them, and the minimal /dev's own entries)."""
+    root = f"/proc/{pid}/root"
+    leading = {str(parent) for parent in Path(confinement.base).parents} if not confinement.rootfs else set()
+    found: list[str] = []
+    with contextlib.suppress(OSError):
+        expected = {*confinement.devices, "shm", "fd", "stdin", "stdout", "stderr"}
+        found += [f"/dev/{name}" for name in sorted(os.listdir(f"{root}/dev")) if name not in expected]
+    for top in (*confinement.private_dirs, "/dev/shm"):
+        pending = [top]
+        while pending and len(found) < limit:
+            directory = pending.pop()
+            try:
+                entries = sorted(os.scandir(root + directory), key=lambda entry: entry.name)
+            except OSError:
+                continue
+            for entry in entries:
+                path = f"{directory.rstrip('/')}/{entry.name}"
+                if path in leading and entry.is_dir(follow_symlinks=False):
+                    pending.append(path)
+                elif path != confinement.base:
+                    found.append(path)
+    return found[:limit]
+
+
+class ShellStateRoute:
+    """Carry the shell's state by bash's own builtins (see the module docstring)."""
+
+    route = SnapshotRoute.SHELL_STATE
+
+    def refusal(self, probe: ShellProbe) -> str | None:
+        if probe.firing_traps:
+            return "a DEBUG or RETURN trap is set: it would fire on the capture and on the restore"
+        if probe.children:
+            return f"{len(probe.children)} process(es) besides the shell are alive (background jobs, coprocs)"
+        if probe.foreign_descriptors:
+            return f"the shell holds descriptors besides its terminal ({', '.join(probe.foreign_descriptors[:3])})"
+        if probe.scratch_files:
+            return f"files in the shell's private tmpfs directories ({', '.join(probe.scratch_files)})"
+        return None
+
+    def capture(self, shell: PtyShell, place: SnapshotPlace) -> dict[str, Any]:
+        data = shell.capture()
+        if data is None:
+            raise SnapshotDeclined("the shell did not answer the state capture (its SIGRTMAX trap was changed)")
+        state = ShellState.parse(data)
+        reason = state.refusal()
+        if reason is not None:
+            raise SnapshotDeclined(f"cannot carry this shell's state: {reason}")
+        boot = state.boot_script()
+        if len(boot.encode("utf-8", errors="surrogateescape")) > MAX_BOOT_BYTES:
+            raise SnapshotDeclined(f"the shell's state is too large to carry ({len(boot)} characters of script)")
+        last_pid = int(state.lines("last-pid")[0]) if state.lines("last-pid")[0].isdigit() else None
+        return {
+            "state": data.decode("utf-8", errors="surrogateescape"),
+            "boot": boot,
+            "prompt": state.prompt_script(),
+            "lineno": shell.lineno,
+            "status": int(state.lines("status")[0]),
+            "underscore": state.lines("underscore")[0] if state.lines("underscore") else "''",
+            "last_pid": last_pid,
+        }
+
+    def restore(self, launch: ShellLaunch, image: Mapping[str, Any]) -> PtyShell:
+        boot = str(image["boot"])
+        if int(image["lineno"]) < 1:
+            # No line was typed yet, so none may be typed now: the prompt variables come with the boot instead.
+            boot += str(image.get("prompt", "")) + "\n"
+        shell = launch.fresh(boot, image.get("last_pid"))
+        try:
+            _synchronise(shell, image)
+            verify(shell, image)
+        except BaseException:
+            shell.close()
+            raise
+        return shell
+
+    def discard(self, image: Mapping[str, Any]) -> None:
+        """Nothing to delete: the whole state is in the snapshot's metadata."""
+
+
+def verify(
+    shell: PtyShell, image: Mapping[str, Any], moved_on: Callable[[ShellState, ShellState], bool] | None = None
+) -> ShellState:
+    """The restored shell answers a state capture, and the state equals the snapshot's (or, with ``moved_on``,
+    differs only as that allows); the state it captured, or SandboxError."""
+    data = shell.capture()
+    if data is None:
+        raise SandboxError(
+            "the restored shell did not answer the state capture; rebuilding the state by replay instead"
+        )
+    expected = ShellState.parse(str(image["state"]).encode("utf-8", errors="surrogateescape"))
+    actual = ShellState.parse(data)
+    if actual.canonical() != expected.canonical() and (moved_on is None or not moved_on(expected, actual)):
+        raise SandboxError(
+            "the restored shell's state differs from the snapshot's; rebuilding the state by replay instead"
+        )
+    return actual
+
+
+def _synchronise(shell: PtyShell, image: Mapping[str, Any]) -> None:
+    """Type empty lines until the next line gets the snapshot's line number, then one line that restores the
+    prompt variables and leaves ``$?`` and ``$_`` as they were."""
+    lineno = int(image["lineno"])
+    if lineno < 1:
+        return
+    sentinel = secrets.token_hex(16)
+    prompt = ansi_c_quote(str(image.get("prompt", "")))
+    line = (
+        "\n" * (lineno - 1)
+        + f"source /dev/stdin <<< {prompt}; "
+        + f"{{ __tvcache_end {sentinel} $LINENO {int(image['status'])} {image['underscore']}; }} 2>/dev/null\n"
+    )
+    numbers = shell.synchronise(line, sentinel, time.monotonic() + GRACE_SECONDS + lineno * 1e-4)
+    if numbers != (lineno, int(image["status"])):
+        raise SandboxError(f"the restored shell reached line {numbers} instead of {lineno}; rebuilding by replay")
+    shell.lineno, shell.status = numbers
+
+
+def choose_route(
+    shell: PtyShell, untrusted: str | None, routes: tuple[SnapshotStrategy, ...], place: SnapshotPlace
+) -> tuple[SnapshotStrategy, dict[str, Any]]:
+    """The one place that decides how a live shell is snapshotted: the first of ``routes`` that accepts and
+    captures it, or SnapshotDeclined naming why each refused."""
+    if untrusted is not None:
+        raise SnapshotDeclined(f"not snapshotting this shell: {untrusted}")
+    if not shell.wait_idle():
+        raise SnapshotDeclined("the shell did not return to its prompt")
+    found = probe(shell, untrusted, place.confinement)
+    reasons = []
+    for strategy in routes:
+        reason = strategy.refusal(found)
+        if reason is None:
+            try:
+                return strategy, strategy.capture(shell, place)
+            except SnapshotDeclined as declined:
+                reason = str(declined)
+        reasons.append(f"{strategy.route.value}: {reason}")
+    raise SnapshotDeclined("no snapshot route can carry this shell exactly (" + "; ".join(reasons) + ")")
+
+
+def route_of(image: Mapping[str, Any], routes: tuple[SnapshotStrategy, ...]) -> SnapshotStrategy:
+    """The route that captured ``image`` (its ``route`` entry), to restore or discard it."""
+    name = image.get("route")
+    for strategy in routes:
+        if strategy.route.value == name:
+            return strategy
+    raise SandboxError(f"a persistent shell snapshot names an unknown route {name!r}")
