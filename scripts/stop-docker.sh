@@ -32,6 +32,9 @@ kill -TERM "$pid"
 for _ in $(seq 1 300); do  # dockerd stops its containers and containerd, then exits: up to 30 s
     if ! kill -0 "$pid" 2>/dev/null; then
         rm -f "$pidfile"
+        # containerd writes each `docker checkpoint` through a /tmp/ctrd-checkpoint* work directory it never
+        # removes (~0.5 MB each): the engine that made them is ours and gone, so they go too.
+        rm -rf /tmp/ctrd-checkpoint* 2>/dev/null || true
         say "dockerd $pid stopped"
         exit 0
     fi

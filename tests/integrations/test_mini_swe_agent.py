@@ -25,6 +25,13 @@ from tvcache.integrations.mini_swe_agent import CachingEnvironment  # noqa: E402
 
 TEMPLATE: Path | None = None
 BUILT: list[str] = []  # every real environment built, for tests to count
+SCRATCH: Path | None = None  # where environments copy the task (pytest's own temporary tree, cleaned by it)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> None:
+    global SCRATCH
+    SCRATCH = tmp_path_factory.mktemp("mswea")
 
 
 class FreshCopyEnvironment(LocalEnvironment):
@@ -36,7 +43,7 @@ class FreshCopyEnvironment(LocalEnvironment):
     def execute(self, action: dict[str, Any], cwd: str = "", *, timeout: int | None = None) -> dict[str, Any]:
         if not self.workdir:
             assert TEMPLATE is not None
-            self.workdir = str(Path(tempfile.mkdtemp(prefix="mswea-")) / "repo")
+            self.workdir = str(Path(tempfile.mkdtemp(prefix="mswea-", dir=SCRATCH)) / "repo")
             shutil.copytree(TEMPLATE, self.workdir)
             BUILT.append(self.workdir)
         return super().execute(action, cwd or self.workdir, timeout=timeout)
