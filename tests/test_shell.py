@@ -14,6 +14,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -868,6 +869,38 @@ def test_a_command_cannot_change_the_hosts_device_nodes(tmp_path: Path) -> None:
         ), name
     assert output.count("Read-only file system") == 3, output
     assert output.endswith("written=0\n")
+
+
+def test_visible_directories_under_a_private_tmp_stay_readable_and_read_only(tmp_path: Path) -> None:
+    """A program installed under /tmp (a checkout's venv: CI clones into /tmp) must be runnable inside the
+    sandbox, whose /tmp is otherwise a fresh tmpfs; what is not named stays hidden."""
+    shown = Path(tempfile.mkdtemp(prefix="tvcache-visible-", dir="/tmp"))
+    hidden = Path(tempfile.mkdtemp(prefix="tvcache-hidden-", dir="/tmp"))
+    try:
+        (shown / "tool.sh").write_text("echo from the tool\n")
+        (hidden / "secret").write_text("no\n")
+        factory = factory_for(tmp_path, visible=[str(shown)])
+
+        async def main() -> str:
+            sandbox = await factory.start()
+            try:
+                script = f"bash {shown}/tool.sh; cat {hidden}/secret; touch {shown}/new; echo listing; ls /tmp"
+                return (await sandbox.execute(sh(script))).output
+            finally:
+                await sandbox.stop()
+
+        output = asyncio.run(main())
+        factory.close()
+        assert output.startswith("from the tool\n")
+        assert "No such file or directory" in output  # the other directory under /tmp is not there
+        assert "Read-only file system" in output
+        listing = output.split("listing\n")[1].split()
+        assert shown.name in listing
+        assert hidden.name not in listing
+        assert not (shown / "new").exists()
+    finally:
+        shutil.rmtree(shown)
+        shutil.rmtree(hidden)
 
 
 def test_the_upper_digest_covers_every_entry_in_a_fixed_order(tmp_path: Path) -> None:

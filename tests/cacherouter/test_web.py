@@ -109,14 +109,21 @@ def test_web_ui_in_chromium(server: AppThread, browser: Any, tmp_path: Path) -> 
 
     # The per-request cache table: one row per model request, figures equal to the server's.
     requests = [request for turn in state["turns"] for request in turn["requests"]]
-    rows = browser.find_elements(By.CSS_SELECTOR, "#requests tbody tr")
+    # Read in one script: the page re-renders the table as it polls, so elements found one by one can go stale.
+    rows = browser.execute_script(
+        """return [...document.querySelectorAll("#requests tbody tr")].map((row) => ({
+            request: row.getAttribute("data-request"),
+            ...Object.fromEntries([...row.querySelectorAll("[data-field]")].map(
+                (cell) => [cell.getAttribute("data-field"), cell.innerText.trim()])),
+        }));"""
+    )
     assert len(rows) == len(requests) == state["totals"]["requests"]
     for row, request in zip(rows, requests, strict=True):
-        assert row.get_attribute("data-request") == str(request["index"])
-        assert row.find_element(By.CSS_SELECTOR, "[data-field=channel]").text == request["channel"]
-        assert int(row.find_element(By.CSS_SELECTOR, "[data-field=prompt]").text) == request["prompt_tokens"]
-        assert int(row.find_element(By.CSS_SELECTOR, "[data-field=cached]").text) == request["cached_tokens"]
-        assert row.find_element(By.CSS_SELECTOR, "[data-field=cost]").text == f"{request['cost']:.1f}"
+        assert row["request"] == str(request["index"])
+        assert row["channel"] == request["channel"]
+        assert int(row["prompt"]) == request["prompt_tokens"]
+        assert int(row["cached"]) == request["cached_tokens"]
+        assert row["cost"] == f"{request['cost']:.1f}"
     assert {"triage", "main", "router"} <= {request["channel"] for request in requests}
     assert requests[0]["cached_tokens"] == 0  # a fresh offline cache claims no hit on the first request
     assert sum(r["cached_tokens"] for r in state["turns"][1]["requests"]) > 0  # the second turn reuses the prefix

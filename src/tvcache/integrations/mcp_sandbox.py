@@ -26,6 +26,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -97,8 +98,8 @@ class SandboxedUpstreams:
         self.settings = settings
         self.data = data
         self.snapshots = snapshots
-        self.files = ShellSandboxFactory(data)
         self.command = list(settings.command)
+        self.files = ShellSandboxFactory(data, visible=_programs_under_private_dirs(self.command))
         self.environment = dict(os.environ if settings.env is None else settings.env)
         self.cwd = settings.cwd or os.getcwd()
         self.process_starts = 0
@@ -182,6 +183,27 @@ class SandboxedUpstreamFactory:
 
     def __repr__(self) -> str:
         return f"SandboxedUpstreamFactory({str(self.upstreams.data)!r}, command={self.upstreams.command!r})"
+
+
+def _programs_under_private_dirs(command: list[str]) -> tuple[str, ...]:
+    """The host directories the upstream's program lives in that the sandbox's private ``/tmp`` (and the like)
+    would hide: a checkout under /tmp whose venv or node_modules holds the server. The top directory below the
+    private one stays visible, read-only (the rest of the host is read-only too)."""
+    candidates: list[str] = []
+    if command:
+        found = shutil.which(command[0])
+        if found is not None:
+            candidates += [os.path.abspath(found), os.path.realpath(found)]
+    candidates += [os.path.abspath(arg) for arg in command[1:] if os.path.isabs(arg) and os.path.exists(arg)]
+    visible: list[str] = []
+    for path in candidates:
+        for private in PRIVATE_DIRS:
+            relative = os.path.relpath(path, private)
+            if relative != "." and not relative.startswith(".."):
+                top = os.path.join(private, relative.split(os.sep)[0])
+                if os.path.isdir(top) and top not in visible:
+                    visible.append(top)
+    return tuple(visible)
 
 
 def _files_snapshot(snapshot: Snapshot, files: ShellSandboxFactory) -> Snapshot:

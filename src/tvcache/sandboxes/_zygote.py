@@ -57,6 +57,9 @@ class Confinement:
     private_dirs: tuple[str, ...]  # each gets a fresh tmpfs where it exists
     devices: tuple[str, ...]  # names under /dev bound into the minimal /dev
     hostname: str = "sandbox"
+    # Host directories under the private dirs that stay visible, read-only (a program the sandbox must run that
+    # is installed under /tmp, say); not with rootfs.
+    visible: tuple[str, ...] = ()
 
 
 class Spawned:

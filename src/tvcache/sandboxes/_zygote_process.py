@@ -98,14 +98,23 @@ class Confiner:
     """
 
     def __init__(
-        self, *, base: str, rootfs: bool, private_dirs: Sequence[str], devices: Sequence[str], hostname: str
+        self,
+        *,
+        base: str,
+        rootfs: bool,
+        private_dirs: Sequence[str],
+        devices: Sequence[str],
+        hostname: str,
+        visible: Sequence[str] = (),
     ) -> None:
         self.base = base
         self.rootfs = rootfs
         self.private_dirs = list(private_dirs)
         self.devices = list(devices)
         self.hostname = hostname
+        self.visible = [] if rootfs else list(visible)
         self._device_trees: list[tuple[str, int]] = []
+        self._visible_trees: list[tuple[str, int]] = []
         self._tree = -1
 
     def prepare_steps(self) -> list[tuple[str, Callable[[], None]]]:
@@ -137,6 +146,7 @@ class Confiner:
     def clone_devices(self) -> None:
         """Detached copies of the harmless devices, taken before the host turns read-only."""
         self._device_trees = [(name, _linux.open_tree_path(f"/dev/{name}")) for name in self.devices]
+        self._visible_trees = [(path, _linux.open_tree_path(path)) for path in self.visible if os.path.isdir(path)]
 
     def host_read_only(self) -> None:
         _linux.set_recursive_readonly("/")
@@ -169,6 +179,12 @@ class Confiner:
         for path in self.private_dirs:
             if os.path.isdir(path):
                 _linux.mount("tmpfs", path, "tmpfs", TMPFS_FLAGS, "mode=1777")
+        for path, tree in self._visible_trees:  # back over the fresh tmpfs, where they were, read-only
+            os.makedirs(path, exist_ok=True)
+            _linux.move_mount(tree, path)
+            os.close(tree)
+            _linux.set_recursive_readonly(path)
+        self._visible_trees = []
         if not self.rootfs:
             os.makedirs(self.base, exist_ok=True)  # the base may sit under a private tmpfs now
 

@@ -34,8 +34,8 @@ import stat
 import threading
 import warnings
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -91,6 +91,7 @@ class ShellSandboxFactory:
         store_root: str | os.PathLike[str] | None = None,
         environment: Mapping[str, str] | None = None,
         persistent: bool = False,
+        visible: Sequence[str] = (),
     ) -> None:
         base = Path(base_dir).resolve()
         if not base.is_dir():
@@ -127,7 +128,7 @@ class ShellSandboxFactory:
         self._routes: Counter[str] = Counter()
         self._routes_lock = threading.Lock()
         self.store = LayerStore(Path(store_root) if store_root is not None else None)
-        self.confinement = _confinement(base, rootfs=rootfs)
+        self.confinement = replace(_confinement(base, rootfs=rootfs), visible=tuple(visible))
         self.zygote = Zygote(self.confinement)  # started with the first sandbox; ends with close() or the process
         self._tools: Mapping[str, ToolSpec] = MappingProxyType({SH_TOOL.name: SH_TOOL})
         self.cost_hints: dict[str, float] = {"start": 0.001, "fork": 0.001, "snapshot": 0.001}
@@ -234,9 +235,11 @@ class ShellSandbox:
         environment: Mapping[str, str] | None = None,
         fallback: bool = True,
         persistent: bool = False,
+        visible: Sequence[str] = (),
     ) -> ShellSandboxFactory | FolderSandboxFactory:
         """Shell sandboxes over ``base_dir`` (a tree, or a root filesystem with ``rootfs=True``); with
-        ``persistent=True``, one long-lived shell per sandbox (see ``persistent_shell``).
+        ``persistent=True``, one long-lived shell per sandbox (see ``persistent_shell``). ``visible``: host
+        directories under the private ``/tmp``, ``/var/tmp`` or ``/run`` that commands still see, read-only.
 
         Where overlay mounts are not permitted (not root), returns a ``FolderSandbox`` factory that copies the
         tree instead, with a warning — or raises SandboxError when ``fallback`` is False.
@@ -264,6 +267,7 @@ class ShellSandbox:
             store_root=store_root,
             environment=environment,
             persistent=persistent,
+            visible=visible,
         )
 
     @classmethod
