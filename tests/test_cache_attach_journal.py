@@ -23,16 +23,18 @@ def test_a_snapshot_the_journal_refuses_is_not_attached(tmp_path: Path, meta: di
     (files / "good").write_text("state")
     with Cache(tmp_path / "cache") as cache:
         graph = cache.graph("t")
-        node = cache._record(graph, graph.root, ToolCall("sh", {"cmd": "make"}), Outcome(output="ok"), 1.0, False)
+        node = cache.store.record(
+            graph, graph.root, ToolCall("sh", {"cmd": "make"}), Outcome(output="ok"), seconds=1.0, read_only=False
+        )
         bad = Snapshot(kind="k", path=str(files / "bad"), bytes=1, meta=meta)
         with pytest.raises((ValueError, TypeError)):
-            cache._attach_snapshot(graph, node, bad)
+            cache.store.attach_snapshot(graph, node, bad)
         assert node.snapshot is None
         assert (graph.snapshot_bytes, graph.snapshot_nodes) == (0, {})
         assert cache.stats().snapshots == 0
         # The node still takes a snapshot the journal can store, and it survives a reopen.
         good = Snapshot(kind="k", path=str(files / "good"), bytes=5, meta={"n": 1})
-        cache._attach_snapshot(graph, node, good)
+        cache.store.attach_snapshot(graph, node, good)
         assert node.snapshot == good
         cache.check_invariants()
     with Cache(tmp_path / "cache") as reopened:

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from tvcache._children import run
+from tvcache.children import run
 
 from server_support import wait_until
 
 PARENT = """
 import asyncio, subprocess, sys
-from tvcache._children import run
+from tvcache.children import run
 
 tied = sys.argv[2] == "tied"
 start = run if tied else subprocess.run

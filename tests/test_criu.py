@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 
 from tvcache.errors import CriuError, SandboxError
-from tvcache.sandboxes import _linux
-from tvcache.sandboxes._linux import overlay_supported
-from tvcache.sandboxes._zygote import Spawned, Zygote
-from tvcache.sandboxes.criu import Criu, criu_unavailable_reason, discard_images, find_criu, required_version
-from tvcache.sandboxes.shell import _confinement
+from tvcache.sandboxes.shell import linux
+from tvcache.sandboxes.shell.criu import Criu, criu_unavailable_reason, discard_images, find_criu, required_version
+from tvcache.sandboxes.shell.linux import overlay_supported
+from tvcache.sandboxes.shell.sandbox import _confinement
+from tvcache.sandboxes.shell.zygote import Spawned, Zygote
 
 CRIU = find_criu(warn=False) if overlay_supported() else None
 needs_criu = pytest.mark.skipif(
@@ -98,7 +98,7 @@ class Trees:
         upper, work = self.root / f"upper{self.count}", self.root / f"work{self.count}"
         upper.mkdir()
         work.mkdir()
-        fd = _linux.mount_overlay([str(path) for path in lowers], str(upper), str(work))
+        fd = linux.mount_overlay([str(path) for path in lowers], str(upper), str(work))
         self.fds.append(fd)
         return fd
 
@@ -196,7 +196,7 @@ def test_required_version_follows_the_kernel() -> None:
 
 
 def test_find_criu_says_why_it_finds_none(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from tvcache.sandboxes import criu as module
+    from tvcache.sandboxes.shell import criu as module
 
     fake = tmp_path / "criu"
     fake.write_text("#!/bin/sh\necho 'Version: 3.17.1'\n")

@@ -179,12 +179,13 @@ def test_an_untagged_client_sends_no_epoch_field(service: CacheService) -> None:
     """Servers from before epochs reject unknown fields: a client without an epoch must not send one."""
     seen: list[bytes] = []
 
-    def record(request: httpx.Request) -> None:
-        seen.append(request.content)
+    class Recording(httpx.HTTPTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            seen.append(request.read())
+            return super().handle_request(request)
 
     with ServerThread(service) as thread:
-        cache = RemoteCache(thread.url)
-        cache._http.event_hooks["request"].append(record)
+        cache = RemoteCache(thread.url, transport=Recording())
         with cache, cache.session_sync("t", sandbox=KVFactory()) as session:
             session.call("set", {"key": "a", "value": 1})
             session.call("get", {"key": "a"})

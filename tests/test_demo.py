@@ -13,7 +13,7 @@ import pytest
 from tvcache import demo, replay
 from tvcache.calls import ToolCall
 from tvcache.sandboxes import ShellSandbox
-from tvcache.sandboxes._linux import overlay_supported
+from tvcache.sandboxes.shell.linux import overlay_supported
 from tvcache.workloads.terminal import terminal_workload
 
 

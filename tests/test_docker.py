@@ -35,9 +35,9 @@ from test_sandboxes import (
 from tvcache import AlwaysSnapshot, Budget, Cache, CostAwareSnapshots, ToolCall
 from tvcache.errors import SandboxError, SnapshotDeclined
 from tvcache.sandboxes import DockerSandbox, ShellSandbox
-from tvcache.sandboxes._linux import overlay_supported
 from tvcache.sandboxes.docker import OWNER_LABEL, DockerCommands, docker_available, remove_orphans
 from tvcache.sandboxes.image import inspect_image
+from tvcache.sandboxes.shell.linux import overlay_supported
 
 __all__ = [  # the contract suite, run here over the docker and image backends (the ``backend`` fixture below)
     "test_discard_removes_the_snapshot_and_forking_it_then_fails",
@@ -251,13 +251,16 @@ def test_processes_survive_a_checkpoint_fork_and_a_commit_declines_them(engine: 
             await plain.snapshot(tmp_path / "declined")
         await plain.stop()
         sandbox = await with_processes.start()
-        await sandbox.execute(sh("(i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.05; done) >/dev/null 2>&1 &"))
+        # The counter file is replaced, never truncated, so a checkpoint never catches it half-written.
+        counter = "i=0; while :; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; sleep 0.05; done"
+        await sandbox.execute(sh(f"({counter}) >/dev/null 2>&1 &"))
         if with_processes.checkpoint_declined is not None or not CHECKPOINTS:
             # No CRIU >= 4.1 for runc here: declined, saying why (CI installs one: scripts/install-criu.sh).
             with pytest.raises(SnapshotDeclined, match="checkpoint"):
                 await sandbox.snapshot(tmp_path / "snap")
             await sandbox.stop()
             return
+        await sandbox.execute(sh("until [ -s /tmp/n ]; do sleep 0.01; done"))  # the loop has written once
         snapshot = await sandbox.snapshot(tmp_path / "snap")
         fork = await with_processes.fork(snapshot)
         first = int((await fork.execute(sh("cat /tmp/n"))).output)

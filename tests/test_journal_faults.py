@@ -538,7 +538,7 @@ KILLED_COMPACTION = textwrap.dedent(
                 await session.call("set", {{"key": "a", "value": rollout}})
 
     asyncio.run(main())
-    live = cache._records
+    live = cache.store.records
 
     def records():
         for index, record in enumerate(live()):
@@ -547,7 +547,7 @@ KILLED_COMPACTION = textwrap.dedent(
                 threading.Event().wait()
             yield record
 
-    cache._records = records
+    cache.store.records = records
     cache.compact()
     """
 )

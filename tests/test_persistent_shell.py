@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 
 from tvcache import AlwaysSnapshot, Cache, SandboxError, Snapshot, SnapshotDeclined, ToolCall
-from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory, _linux
-from tvcache.sandboxes._linux import overlay_supported
-from tvcache.sandboxes._zygote_process import SPARES
-from tvcache.sandboxes.criu import criu_unavailable_reason, find_criu
-from tvcache.sandboxes.criu_route import CriuRoute
-from tvcache.sandboxes.persistent_shell import NEW_SHELL_NOTE, PERSISTENT_KIND
-from tvcache.sandboxes.shell_state import ShellStateRoute
+from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory
+from tvcache.sandboxes.shell import linux
+from tvcache.sandboxes.shell.criu import criu_unavailable_reason, find_criu
+from tvcache.sandboxes.shell.criu_route import CriuRoute
+from tvcache.sandboxes.shell.linux import overlay_supported
+from tvcache.sandboxes.shell.persistent import NEW_SHELL_NOTE, PERSISTENT_KIND
+from tvcache.sandboxes.shell.shell_state import ShellStateRoute
+from tvcache.sandboxes.shell.zygote_process import SPARES
 
 pytestmark = pytest.mark.skipif(
     not overlay_supported(), reason="overlay mounts need root on Linux >= 6.8 (the shell backend falls back to copies)"
@@ -250,6 +251,131 @@ def test_a_fork_is_indistinguishable_from_the_shell_that_ran_the_history(tmp_pat
     assert forked == truth
 
 
+# What a warm shell could differ in from a cold one, beyond OBSERVE: its PIDs, descriptors, confinement, the
+# mounts its confinement made (without mount ids and superblock options, which differ between any two sandboxes;
+# the host's own mounts are those of the moment its namespace was made, cold or warm), history and job table.
+PROCESS_VIEW = (
+    "echo $$ $BASHPID $PPID $HISTCMD; history | wc -l; jobs; ls /proc/1/fd; "
+    "readlink /proc/1/cwd; grep -E '^(Sig(Blk|Ign|Cgt)|Cap|NoNewPrivs|Seccomp|NSpid|Umask)' /proc/1/status; "
+    "awk -v B={base} '$5 ~ /^[/](tmp|var[/]tmp|run|proc|dev([/](shm|null|zero|full|random|urandom|tty))?)$/ "
+    "|| $5 == B {{ print $4, $5, $9 }}' /proc/1/mountinfo; hostname; ls -a /tmp /dev"
+)
+
+
+def test_a_warm_fork_is_indistinguishable_from_a_cold_one(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path)
+    probe = [OBSERVE, PROCESS_VIEW.format(base=factory.base), "echo $SECONDS", "sleep 0 & echo $!"]
+
+    async def forked(snapshot: Snapshot) -> list[str]:
+        sandbox = await factory.fork(snapshot)
+        try:
+            return [(await sandbox.execute(sh(command))).output for command in probe]
+        finally:
+            await sandbox.stop()
+
+    async def main() -> tuple[list[str], list[str], list[str]]:
+        live = await factory.start()
+        for step in HISTORY:
+            await live.execute(sh(step))
+        snapshot = await live.snapshot(tmp_path / "snap")  # its own restore starts the pool's filler
+        await live.stop()
+        warm_shells, factory.warm_shells = factory.warm_shells, 0
+        cold = await forked(snapshot)
+        factory.warm_shells = warm_shells
+        pool = factory.warm_pool()
+        assert pool is not None
+        assert await asyncio.to_thread(pool.wait_ready, 1)
+        # $SECONDS counts whole seconds: only a warm shell older than one second can show it restarted at the fork.
+        await asyncio.sleep(1.5)
+        served = pool.served
+        warm = await forked(snapshot)
+        assert pool.served == served + 1
+        assert pool.failures == 0
+        assert await asyncio.to_thread(pool.wait_ready)  # full: the filler waits for the next take
+        for shell in [shell for _, shell in pool._ready]:
+            shell.kill()  # dead warm shells are passed over: the next fork gets a cold shell
+            assert shell.spawned is not None
+            assert shell.spawned.wait(5)
+        fallback = await forked(snapshot)
+        assert pool.served == served + 1
+        factory.discard(snapshot)
+        return cold, warm, fallback
+
+    cold, warm, fallback = asyncio.run(main())
+    factory.close()
+    # $SECONDS is compared by its range: a second may begin between any two shells' reads, cold or warm.
+    seconds = [outputs.pop(2).removeprefix("$ ") for outputs in (cold, warm, fallback)]
+    assert warm == cold
+    assert fallback == cold
+    assert set(seconds) <= {"0\n", "1\n"}  # counted from the fork, not from the (older) warm shell's start
+
+
+def test_a_warm_shell_that_ends_while_it_resumes_gives_way_to_a_cold_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tvcache.sandboxes.shell import pty_shell
+
+    factory = factory_for(tmp_path)
+
+    async def main() -> tuple[str, str]:
+        live = await factory.start()
+        await live.execute(sh("cd sub; V=kept"))
+        snapshot = await live.snapshot(tmp_path / "snap")
+        truth = (await live.execute(sh(OBSERVE))).output
+        await live.stop()
+        pool = factory.warm_pool()
+        assert pool is not None
+        assert await asyncio.to_thread(pool.wait_ready)
+        # As when the shell cannot write its namespace's last PID: it exits before it is ready.
+        monkeypatch.setattr(pty_shell, "WARM_HEAD", "builtin exit 97\n{last_pid}")
+        fork = await factory.fork(snapshot)
+        forked = (await fork.execute(sh(OBSERVE))).output
+        await fork.stop()
+        factory.discard(snapshot)
+        return truth, forked
+
+    truth, forked = asyncio.run(main())
+    pool = factory.warm_pool()
+    assert pool is not None
+    assert pool.served == 1
+    assert pool.failures == 1
+    factory.close()
+    assert forked == truth
+
+
+def test_hundreds_of_warm_forks_leave_only_the_pool_and_it_ends_with_the_factory(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path)
+    processes = _own_processes()
+    outputs: set[str] = set()
+
+    async def main() -> None:
+        live = await factory.start()
+        await live.execute(sh("cd sub; V=kept"))
+        snapshot = await live.snapshot(tmp_path / "snap")
+        await live.stop()
+        for _ in range(200):
+            fork = await factory.fork(snapshot)
+            outputs.add((await fork.execute(sh("echo $V $PWD; sleep 0 & echo $!"))).output)
+            await fork.stop()
+        factory.discard(snapshot)
+
+    asyncio.run(main())
+    pool = factory.warm_pool()
+    assert pool is not None
+    assert pool.served > 10  # forks got warm shells (the others cold ones, while the pool refilled)
+    assert pool.failures == 0
+    assert outputs == {f"kept {factory.base}/sub\n[1] 2\n2\n"}  # warm or cold, the same shell
+    zygote = factory.zygote.pid
+    assert zygote is not None
+    assert len(_descendants(zygote)) <= SPARES + factory.warm_shells  # the spares and the warm shells only
+    assert factory.store.live_layers() == []
+    with open("/proc/self/mountinfo") as handle:
+        assert not [line for line in handle if str(tmp_path) in line]
+    factory.close()
+    assert len(pool) == 0
+    _assert_gone(_own_processes() - processes)
+
+
 @pytest.mark.parametrize(
     ("setup", "reason"),
     [
@@ -411,7 +537,7 @@ def test_no_space_for_the_image_declines_cleanly(tmp_path: Path) -> None:
     factory = factory_for(tmp_path)
     tiny = tmp_path / "tiny"
     tiny.mkdir()
-    _linux.mount("tmpfs", str(tiny), "tmpfs", 0, "size=64k")
+    linux.mount("tmpfs", str(tiny), "tmpfs", 0, "size=64k")
 
     async def main() -> str:
         sandbox = await factory.start()
@@ -427,7 +553,7 @@ def test_no_space_for_the_image_declines_cleanly(tmp_path: Path) -> None:
         output = asyncio.run(main())
         assert os.listdir(tiny) == []  # the partial image is gone
     finally:
-        _linux.umount(str(tiny))
+        linux.umount(str(tiny))
     assert output.startswith("1\n[1]+  Running")
     assert factory.route_counts() == {"declined": 1}
     factory.close()
@@ -638,9 +764,25 @@ def test_many_snapshot_fork_stop_cycles_leave_nothing_behind(
     assert list(snaps.iterdir()) == []  # snapshot files and CRIU images alike
     zygote = factory.zygote.pid
     assert zygote is not None
-    assert len(_descendants(zygote)) <= SPARES  # only the spares wait: no shell and no job is left
+    pool = factory.warm_pool()
+    assert pool is not None
+    assert pool.served > 10
+    assert pool.failures == 0
+    assert len(pool) <= factory.warm_shells
+    # Only the spares and the warm shells wait (each a bash alone): no shell of a sandbox and no job is left.
+    assert len(_descendants(zygote)) <= SPARES + factory.warm_shells
     assert _own_processes() - processes - {zygote} - _descendants(zygote) == set()  # no keeper, no restored tree
     assert _criu_scratch() == scratch
     with open("/proc/self/mountinfo") as handle:
         assert not [line for line in handle if str(tmp_path) in line]
     factory.close()
+    assert len(pool) == 0
+    _assert_gone(_own_processes() - processes)  # the zygote, its spares and every warm shell end with the factory
+
+
+def _assert_gone(pids: set[int], timeout: float = 5.0) -> None:
+    """Each of ``pids`` ends within ``timeout`` (killed processes are reaped by their parent a moment later)."""
+    deadline = time.monotonic() + timeout
+    while pids and time.monotonic() < deadline:
+        pids = {pid for pid in pids if os.path.exists(f"/proc/{pid}")}
+    assert pids == set()

@@ -9,7 +9,7 @@ import pytest
 
 from tvcache import AlwaysSnapshot, Cache
 from tvcache.sandboxes import FolderSandbox, ShellSandbox, WarmPool
-from tvcache.sandboxes._linux import overlay_supported
+from tvcache.sandboxes.shell.linux import overlay_supported
 
 
 def make_factory(tmp_path: Path):  # type: ignore[no-untyped-def]

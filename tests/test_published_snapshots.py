@@ -32,7 +32,7 @@ from tvcache.calls import ToolCall
 from tvcache.errors import SandboxError
 from tvcache.protocol import SandboxFactory, Snapshot
 from tvcache.sandboxes import FolderSandbox, ShellSandbox, SQLiteSandbox
-from tvcache.sandboxes._linux import overlay_supported
+from tvcache.sandboxes.shell.linux import overlay_supported
 from tvcache.snapshots import PUBLISHED, NodeCache, Publication, publication_available
 
 from server_support import free_port, wait_until

@@ -23,7 +23,7 @@ from tvcache.graph import Node, ToolCallGraph
 from tvcache.policies import CostModel
 from tvcache.protocol import SandboxFactory, SandboxWrapper
 from tvcache.sandboxes import FolderSandbox, SQLiteSandbox
-from tvcache.sandboxes._linux import overlay_supported
+from tvcache.sandboxes.shell.linux import overlay_supported
 
 STAMP = ToolSpec(name="stamp", deterministic=True)  # a lie, as a proxy's declaration of git_commit would be
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import select
 import sqlite3
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,10 +16,11 @@ from typing import Any, TypeVar
 import pytest
 
 from tvcache.calls import ToolCall
-from tvcache.errors import InvalidToolCall, SandboxError, UnknownTool
-from tvcache.protocol import Outcome, Sandbox, SandboxFactory, Snapshot, state_digest
+from tvcache.errors import InvalidToolCall, SandboxError
+from tvcache.protocol import Outcome, SandboxFactory, Snapshot
 from tvcache.sandboxes import FolderSandbox, FolderSandboxFactory, FolderTool, SQLiteSandbox, SQLiteSandboxFactory
-from tvcache.sandboxes._linux import overlay_supported
+from tvcache.sandboxes.shell.linux import overlay_supported
+from tvcache.testing import CHECKS, SandboxCheckFailed, SandboxProbe, check_sandbox, run_check
 
 T = TypeVar("T")
 
@@ -55,22 +57,16 @@ def make_template(path: Path) -> Path:
     return path
 
 
-@dataclass(frozen=True)
-class Backend:
-    """Maps the contract's abstract operations onto one backend's tool calls."""
+@dataclass(frozen=True, kw_only=True)
+class Backend(SandboxProbe):
+    """One backend and the probe that maps the contract's abstract operations onto its tool calls (the contract
+    itself is ``tvcache.testing``, shipped for third-party backends). Every fixture's base holds apple and pear."""
 
     factory: SandboxFactory
-    read: ToolCall
-    write: Callable[[str], ToolCall]
-    failing: ToolCall
-    bad_arguments: ToolCall
-    items: Callable[[Outcome], set[str]]
-    # False for a live shell, where every call moves $LINENO and $_: no call is proved read-only, and each one
-    # is a new state. Only the clauses about read-only calls read this; every other clause holds as written.
-    reads_keep_state: bool = True
-    # Contract clauses this backend is known to break today: (test name, the error it raises, the diagnosis).
-    # Each runs as a strict xfail of that error only, so the fix turns it into a failure: then delete the entry.
-    known_bugs: tuple[tuple[str, type[BaseException], str], ...] = ()
+    initial: Collection[str] = frozenset({"apple", "pear"})
+    # Contract clauses this backend is known to break today: (test name, the diagnosis). Each runs as a strict
+    # xfail of SandboxCheckFailed, so the fix turns it into a failure: then delete the entry.
+    known_bugs: tuple[tuple[str, str], ...] = ()
 
 
 def sqlite_backend(tmp_path: Path) -> Backend:
@@ -135,157 +131,96 @@ def persistent_shell_backend(tmp_path: Path) -> Backend:
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     make: Callable[[Path], Backend] = request.param
     made = make(tmp_path)
-    for test, error, diagnosis in made.known_bugs:
+    for test, diagnosis in made.known_bugs:
         if request.node.originalname == test:
-            request.applymarker(pytest.mark.xfail(raises=error, strict=True, reason=f"known bug: {diagnosis}"))
+            request.applymarker(
+                pytest.mark.xfail(raises=SandboxCheckFailed, strict=True, reason=f"known bug: {diagnosis}")
+            )
     return made
 
 
-async def items_of(backend: Backend, sandbox: Sandbox) -> set[str]:
-    outcome = await sandbox.execute(backend.read)
-    assert not outcome.is_error, outcome.output
-    return backend.items(outcome)
+def check(name: str, backend: Backend, tmp_path: Path) -> None:
+    """Run one check of the shipped contract (``tvcache.testing.CHECKS``) on ``backend``."""
+    run(run_check(name, backend.factory, backend, tmp_path))
 
 
-# ---------------------------------------------------------------- contract
+# ---------------------------------------------------------------- contract (tvcache.testing)
 
 
-def test_factory_and_sandbox_satisfy_the_protocol(backend: Backend) -> None:
-    async def main() -> None:
-        assert isinstance(backend.factory, SandboxFactory)
-        assert set(backend.factory.cost_hints) == {"start", "fork", "snapshot"}  # type: ignore[attr-defined]
-        assert backend.read.name in backend.factory.tools
-        sandbox = await backend.factory.start()
-        assert isinstance(sandbox, Sandbox)
-        await sandbox.stop()
-
-    run(main())
+def test_factory_and_sandbox_satisfy_the_protocol(backend: Backend, tmp_path: Path) -> None:
+    check("protocol", backend, tmp_path)
+    # tvcache's own backends declare every cost the cost model reads (the protocol lets others leave some out).
+    assert set(backend.factory.cost_hints) == {"start", "fork", "snapshot"}  # type: ignore[attr-defined]
 
 
-def test_reads_do_not_change_state_and_writes_do(backend: Backend) -> None:
-    async def main() -> None:
-        sandbox = await backend.factory.start()
-        read = await sandbox.execute(backend.read)
-        # A live shell says a read changed its state (it did: $LINENO moved) rather than claim a proof it has not.
-        assert read == Outcome(output=read.output, changed_state=not backend.reads_keep_state)
-        assert backend.items(read) == {"apple", "pear"}
-        write = await sandbox.execute(backend.write("fig"))
-        assert not write.is_error, write.output
-        assert write.changed_state is True
-        assert write.deterministic
-        assert await items_of(backend, sandbox) == {"apple", "pear", "fig"}
-        await sandbox.stop()
-
-    run(main())
+def test_reads_do_not_change_state_and_writes_do(backend: Backend, tmp_path: Path) -> None:
+    check("reads-and-writes", backend, tmp_path)
 
 
 def test_forks_are_independent_and_snapshots_frozen(backend: Backend, tmp_path: Path) -> None:
-    async def main() -> None:
-        origin = await backend.factory.start()
-        await origin.execute(backend.write("fig"))
-        snapshot = await origin.snapshot(tmp_path / "snap")
-        assert snapshot.kind == backend.factory.kind
-        assert snapshot.exists()
-        assert snapshot.bytes > 0
-        await origin.execute(backend.write("after"))
-
-        first, second = await backend.factory.fork(snapshot), await backend.factory.fork(snapshot)
-        await first.execute(backend.write("first"))
-        await second.execute(backend.write("second"))
-        base = {"apple", "pear", "fig"}
-        assert await items_of(backend, first) == base | {"first"}
-        assert await items_of(backend, second) == base | {"second"}
-        assert await items_of(backend, origin) == base | {"after"}
-        third = await backend.factory.fork(snapshot)  # the snapshot saw none of the later writes
-        assert await items_of(backend, third) == base
-        for sandbox in (origin, first, second, third):
-            await sandbox.stop()
-
-    run(main())
-
-
-async def digest(sandbox: Sandbox) -> str:
-    value = await state_digest(sandbox)
-    assert value is not None, "the backend offers no state_digest()"
-    return value
+    check("fork-isolation", backend, tmp_path)
 
 
 def test_state_digest_tracks_content(backend: Backend, tmp_path: Path) -> None:
-    async def main() -> None:
-        one, two = await backend.factory.start(), await backend.factory.start()
-        initial = await digest(one)
-        assert initial == await digest(two)
-        await one.execute(backend.read)
-        if backend.reads_keep_state:
-            assert await digest(one) == initial
-        else:  # a live shell after a read is another state ($LINENO moved): its digest must say so
-            assert await digest(one) != initial
-            await two.execute(backend.read)
-            assert await digest(two) == await digest(one)  # the same history is the same state
-        await one.execute(backend.write("fig"))
-        changed = await digest(one)
-        assert changed != initial
-        fork = await backend.factory.fork(await one.snapshot(tmp_path / "snap"))
-        assert await digest(fork) == changed
-        for sandbox in (one, two, fork):
-            await sandbox.stop()
-
-    run(main())
+    assert backend.has_state_digest  # every backend of tvcache's own offers one
+    check("state-digest", backend, tmp_path)
 
 
 def test_stop_is_idempotent_and_a_stopped_sandbox_refuses_work(backend: Backend, tmp_path: Path) -> None:
-    async def main() -> None:
-        sandbox = await backend.factory.start()
-        await sandbox.stop()
-        await sandbox.stop()
-        with pytest.raises(SandboxError, match="stopped"):
-            await sandbox.execute(backend.read)
-        with pytest.raises(SandboxError, match="stopped"):
-            await sandbox.snapshot(tmp_path / "snap")
-
-    run(main())
+    check("stop", backend, tmp_path)
 
 
 def test_discard_removes_the_snapshot_and_forking_it_then_fails(backend: Backend, tmp_path: Path) -> None:
-    async def main() -> None:
-        sandbox = await backend.factory.start()
-        snapshot = await sandbox.snapshot(tmp_path / "snap")
-        await sandbox.stop()
-        backend.factory.discard(snapshot)
-        assert not snapshot.exists()
-        with pytest.raises(SandboxError, match="missing"):
-            await backend.factory.fork(snapshot)
-        wrong_kind = Snapshot(kind="other", path=snapshot.path, bytes=0)
-        with pytest.raises(SandboxError, match="'other'"):
-            await backend.factory.fork(wrong_kind)
-
-    run(main())
+    check("discard", backend, tmp_path)
 
 
 def test_snapshot_refuses_an_existing_destination(backend: Backend, tmp_path: Path) -> None:
-    async def main() -> None:
-        sandbox = await backend.factory.start()
-        (tmp_path / "taken").mkdir()
-        with pytest.raises(SandboxError, match="already exists"):
-            await sandbox.snapshot(tmp_path / "taken")
-        await sandbox.stop()
-
-    run(main())
+    check("snapshot-destination", backend, tmp_path)
 
 
-def test_tool_failures_are_outcomes_and_bad_calls_raise(backend: Backend) -> None:
-    async def main() -> None:
-        sandbox = await backend.factory.start()
-        failed = await sandbox.execute(backend.failing)
-        assert failed.is_error
-        with pytest.raises(UnknownTool, match="nope"):
-            await sandbox.execute(ToolCall("nope", {}))
-        with pytest.raises(InvalidToolCall):
-            await sandbox.execute(backend.bad_arguments)
-        assert await items_of(backend, sandbox) == {"apple", "pear"}  # still usable
-        await sandbox.stop()
+def test_tool_failures_are_outcomes_and_bad_calls_raise(backend: Backend, tmp_path: Path) -> None:
+    check("bad-input", backend, tmp_path)
 
-    run(main())
+
+def test_check_sandbox_passes_a_real_backend_and_names_what_a_broken_one_breaks(tmp_path: Path) -> None:
+    backend = folder_backend(tmp_path)
+    check_sandbox(backend.factory, backend, scratch=tmp_path / "checks")
+    assert sorted(p.name for p in (tmp_path / "checks").iterdir()) == sorted(CHECKS)
+
+    class ForksIgnoreTheSnapshot(FolderSandboxFactory):
+        async def fork(self, snapshot: Snapshot) -> FolderSandbox:
+            return await self.start()
+
+    class KeepsWorkingAfterStop(FolderSandboxFactory):
+        async def start(self) -> FolderSandbox:
+            sandbox = await super().start()
+            sandbox.stop = lambda: asyncio.sleep(0)  # type: ignore[method-assign]
+            return sandbox
+
+    template = make_template(tmp_path / "broken")
+    for broken, name, seen in (
+        (ForksIgnoreTheSnapshot(template), "fork-isolation", "a fork lists"),
+        (KeepsWorkingAfterStop(template), "stop", "execute() after stop() did not raise SandboxError"),
+    ):
+        with pytest.raises(SandboxCheckFailed, match=re.escape(seen)) as failed:
+            check_sandbox(broken, backend)
+        assert failed.value.check == name
+        assert failed.value.property == CHECKS[name].property
+        assert CHECKS[name].property in str(failed.value)
+        broken.close()
+    with pytest.raises(ValueError, match="no sandbox check 'forks'"):
+        check_sandbox(backend.factory, backend, checks=["forks"])
+
+
+def test_the_readme_snippet_checks_a_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    match = re.search(r"<!-- snippet: check-sandbox -->\n```python\n(.*?)```", text, re.S)
+    assert match is not None, "README has no check-sandbox snippet"
+    make_template(tmp_path / "template")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {}
+    exec(compile(match.group(1), "README.md", "exec"), namespace)
+    namespace["factory"].close()
 
 
 # ---------------------------------------------------------------- SQLite

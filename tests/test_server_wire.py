@@ -427,7 +427,7 @@ def test_bad_input_is_a_4xx_with_a_message_and_writes_nothing(
     graph = service.cache.graph("t")
     node = graph.match([wire_call(CLONE), wire_call(BUILD)]).node
     assert node is not None
-    service.cache._detach_snapshot(graph, node)  # as the budget does
+    service.store.detach_snapshot(graph, node)  # as the budget does
     before = (client.get("/v1/graph", params={"task_id": "t"}).json(), sorted(service.cache.tasks()))
     leases = dict(service.leases)
     response = client.request(method, path, **request_args)
@@ -462,7 +462,9 @@ def test_a_persisted_non_json_wire_record_breaks_no_read(tmp_path: Path) -> None
     # A record from before /v1/insert checked wire outputs: written straight into the journal.
     service = CacheService(tmp_path)
     graph = service.cache.graph("bad")
-    service.cache._record(graph, graph.root, wire_call(CLONE), Outcome(output="not json {"), 1.0, read_only=False)
+    service.store.record(
+        graph, graph.root, wire_call(CLONE), Outcome(output="not json {"), seconds=1.0, read_only=False
+    )
     service.close()
     for _ in range(2):  # and again after a restart
         reopened = CacheService(tmp_path)

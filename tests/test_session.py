@@ -161,11 +161,13 @@ def test_waiters_take_over_when_the_executing_session_fails() -> None:
 
     async def main() -> None:
         first = cache.session("t", sandbox=factory)
-        claimed, future = cache._claim(cache.graph("t"), cache.graph("t").root, _call("incr", {"key": "a"}))
-        assert claimed
+        claim = cache.store.claim(cache.graph("t"), cache.graph("t").root, _call("incr", {"key": "a"}))
+        assert claim.owner
         waiter = asyncio.create_task(first.call("incr", {"key": "a"}))
         await asyncio.sleep(0)  # let the waiter join the claimed future
-        cache._resolve(cache.graph("t"), cache.graph("t").root, _call("incr", {"key": "a"}), None, RuntimeError("x"))
+        cache.store.resolve(
+            cache.graph("t"), cache.graph("t").root, _call("incr", {"key": "a"}), node=None, error=RuntimeError("x")
+        )
         result = await waiter
         assert result.output == "a=1"
         assert result.hit is False
@@ -237,11 +239,11 @@ def test_leased_snapshots_are_never_evicted() -> None:
     asyncio.run(run(cache, factory, [("incr", {"key": "a"})]))
     graph = cache.graph("t")
     (node,) = graph.snapshot_nodes.values()
-    lease = cache._lease_snapshot(node, "kv")
+    lease = cache.store.lease_snapshot(node, "kv")
     assert lease is not None
     asyncio.run(run(cache, factory, [("set", {"key": "b", "value": 2})]))
     assert node.snapshot is not None  # leased: kept even though the budget is exceeded
-    cache._release(lease)
+    cache.store.release(lease)
     asyncio.run(run(cache, factory, [("set", {"key": "c", "value": 3})]))
     assert node.snapshot is None
 
@@ -379,7 +381,7 @@ def test_a_cancelled_owner_does_not_cancel_the_sessions_waiting_on_it() -> None:
     async def main() -> str:
         owner = asyncio.create_task(run(cache, factory, [slow]))
         for _ in range(1000):  # until the owner has claimed the call (loop turns, no wall-clock waiting)
-            if cache._inflight:
+            if cache.store.inflight:
                 break
             await asyncio.sleep(0)
         waiter = asyncio.create_task(run(cache, factory, [slow]))
@@ -421,7 +423,7 @@ def test_one_waiter_giving_up_does_not_cancel_the_call_for_the_others() -> None:
     async def main() -> tuple[list, list]:
         owner = asyncio.create_task(run(cache, factory, [slow]))
         for _ in range(1000):
-            if cache._inflight:
+            if cache.store.inflight:
                 break
             await asyncio.sleep(0)
         impatient = asyncio.create_task(run(cache, factory, [slow]))
@@ -513,7 +515,7 @@ def test_a_result_the_journal_cannot_take_fails_cleanly_and_releases_waiters(tmp
     assert all(isinstance(outcome, SandboxError) for outcome in outcomes)
     assert "not valid Unicode" in str(outcomes[0])
     assert len(cache.graph("t")) == 1
-    assert not cache._inflight
+    assert not cache.store.inflight
     cache.close()
 
 

@@ -87,7 +87,7 @@ class RacingSandbox(SandboxWrapper):
         if call.name == "incr":
             graph: ToolCallGraph = self.cache.graph("t")
             other = Outcome(output="n=41", changed_state=True)
-            self.cache._record(graph, graph.root, call, other, 0.01, False)
+            self.cache.store.record(graph, graph.root, call, other, seconds=0.01, read_only=False)
         return outcome
 
 
@@ -116,7 +116,9 @@ def test_a_call_found_recorded_with_another_result_takes_the_rollout_off_the_cac
         async with cache.session("t", sandbox=factory) as session:
             results = [await session.call("incr", {"key": "n"})]
             node = graph.match([ToolCall("incr", {"key": "n"})]).node
-            cache._record(graph, node, ToolCall("get", {"key": "n"}), Outcome(output="41"), 0.01, True)
+            cache.store.record(
+                graph, node, ToolCall("get", {"key": "n"}), Outcome(output="41"), seconds=0.01, read_only=True
+            )
             results.append(await session.call("get", {"key": "n"}))
             return [(r.output, r.cached) for r in results]
 

@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 
 from tvcache import AlwaysSnapshot, Budget, Cache, CostAwareSnapshots, SandboxError, SnapshotDeclined, ToolCall
-from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory, _linux
-from tvcache.sandboxes._linux import overlay_supported
-from tvcache.sandboxes.layers import LayerStore
+from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory
+from tvcache.sandboxes.shell import linux
+from tvcache.sandboxes.shell.layers import LayerStore
+from tvcache.sandboxes.shell.linux import overlay_supported
 from tvcache.workloads.shell import BUGS, make_project
 
 pytestmark = pytest.mark.skipif(
@@ -390,9 +391,10 @@ def test_nothing_is_left_on_disk_at_interpreter_exit(tmp_path: Path) -> None:
 
 
 def test_without_overlay_privileges_it_falls_back_to_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tvcache.sandboxes import FolderSandboxFactory, shell
+    from tvcache.sandboxes import FolderSandboxFactory
+    from tvcache.sandboxes.shell import sandbox as shell
 
-    monkeypatch.setattr(shell._linux, "overlay_supported", lambda: False)
+    monkeypatch.setattr(shell.linux, "overlay_supported", lambda: False)
     base = tmp_path / "base"
     base.mkdir()
     with pytest.warns(RuntimeWarning, match="fall back to copying"):
@@ -644,11 +646,11 @@ def test_signal_dispositions_are_reset_for_the_command(tmp_path: Path) -> None:
     ignore = ctypes.create_string_buffer(32)  # a raw sigaction: SIG_IGN (1); signal 32 is glibc's own
     ignore[0] = 1
     saved = ctypes.create_string_buffer(32)
-    assert _linux._syscall(_linux.SYS_RT_SIGACTION, 32, ignore, saved, 8) == 0
+    assert linux._syscall(linux.SYS_RT_SIGACTION, 32, ignore, saved, 8) == 0
     try:
         output = asyncio.run(main())
     finally:
-        _linux._syscall(_linux.SYS_RT_SIGACTION, 32, saved, None, 8)
+        linux._syscall(linux.SYS_RT_SIGACTION, 32, saved, None, 8)
         signal.signal(signal.SIGHUP, hup)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     factory.close()
@@ -907,7 +909,7 @@ def test_the_upper_digest_covers_every_entry_in_a_fixed_order(tmp_path: Path) ->
     """The fast walk hashes what a plain ``os.walk`` + ``lstat`` in name order does, and sees any change."""
     import hashlib
 
-    from tvcache.sandboxes.layers import upper_digest
+    from tvcache.sandboxes.shell.layers import upper_digest
 
     def reference(upper: Path) -> str:
         hasher = hashlib.blake2b(digest_size=16)

@@ -22,10 +22,11 @@ import pytest
 
 from tvcache.calls import ToolCall
 from tvcache.errors import SandboxError
-from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory, _process
-from tvcache.sandboxes import shell as shell_module
-from tvcache.sandboxes._linux import overlay_supported
-from tvcache.sandboxes.persistent_shell import PersistentShellSandbox
+from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory
+from tvcache.sandboxes.shell import process as _process
+from tvcache.sandboxes.shell import sandbox as shell_module
+from tvcache.sandboxes.shell.linux import overlay_supported
+from tvcache.sandboxes.shell.persistent import PersistentShellSandbox
 
 pytestmark = pytest.mark.skipif(not overlay_supported(), reason="shell sandboxes need overlay mounts (root)")
 
@@ -128,14 +129,14 @@ def leftovers(factory: ShellSandboxFactory) -> tuple[list[str], list[str]]:
     return [str(layer.path) for layer in factory.store.live_layers()], uppers
 
 
-# One-shot sandboxes only: a persistent shell's own snapshot and digest are persistent_shell.py's (the same fix
-# belongs there); stop and fork below are shared by both flavours.
+# The persistent flavour's snapshot and digest are its own (its shell is captured around the same steps).
+@pytest.mark.parametrize("persistent", [False, True], ids=["one-shot", "persistent"])
 @pytest.mark.parametrize("operation", ["snapshot", "state_digest"])
 def test_a_cancelled_snapshot_or_digest_keeps_the_sandbox_until_its_thread_is_done(
-    operation: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    operation: str, persistent: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     occupancy = Occupancy()
-    factory = make_factory(tmp_path, persistent=False)
+    factory = make_factory(tmp_path, persistent=persistent)
     step = {"snapshot": "_freeze", "state_digest": "_state_digest"}[operation]
     held = Held(occupancy, operation, getattr(ShellSandbox, step))
     dest = tmp_path / "snapshot"
@@ -143,7 +144,7 @@ def test_a_cancelled_snapshot_or_digest_keeps_the_sandbox_until_its_thread_is_do
     async def main() -> str:
         sandbox = await factory.start()
         monkeypatch.setattr(ShellSandbox, step, held.function)
-        instrument_calls(monkeypatch, occupancy, persistent=False)
+        instrument_calls(monkeypatch, occupancy, persistent=persistent)
         work: asyncio.Task[Any]
         if operation == "snapshot":
             work = asyncio.create_task(sandbox.snapshot(dest))

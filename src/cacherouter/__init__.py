@@ -3,7 +3,12 @@
 The main model sees a fixed, canonically serialised tool view (core packages + ``INTERNAL_ROUTER``); every other
 tool is reached through a router channel. Tools are argparse scripts in a package/skill/script repository whose
 schemas are read statically and hot-reloaded, and MCP servers (``cacherouter.upstreams``) whose tools join the
-long tail. See ``DESIGN.md`` ("cacherouter in one page").
+long tail. The user's guide is the README's "cacherouter" section; the MCP gateway and its upstreams config are
+described in ``docs/cacherouter-mcp.md``.
+
+Names that tvcache also uses mean other things here, so they are spelled apart: ``ChatToolCall`` is a tool call a
+chat model asked for, ``ScriptResult`` what a script run produced, ``RegisteredTool`` one entry of the tool
+registry, ``ChatSession`` a persisted conversation.
 """
 
 from .accounting import Ledger, RecordingModel, Summary
@@ -21,21 +26,21 @@ from .errors import (
     SessionError,
     ToolExecutionError,
 )
-from .executor import ToolResult, build_argv, run_script
+from .executor import ScriptResult, build_argv, run_script
 from .gateway import Gateway, GatewayConfig, ReloadOutcome
 from .mainview import MainView
 from .models import (
     ChatRequest,
     ChatResponse,
+    ChatToolCall,
     ScriptedModel,
     SimulatedProvider,
-    ToolCall,
 )
-from .registry import Limits, Problem, Registry, ToolSpec, build_registry, script_schema
+from .registry import Limits, Problem, RegisteredTool, Registry, build_registry, script_schema
 from .relevance import BM25, KeywordHitRatio, evaluate_ranker
 from .router import Router, RouterConfig, compress_task, filter_candidates
 from .schema import ArgumentSpec, ScriptSchema
-from .session import Session
+from .session import ChatSession
 from .skills import SkillParam, build_skill
 from .upstreams import UpstreamConfig, load_upstreams, namespaced_name, parse_upstreams
 from .usage import Usage, parse_usage
@@ -51,6 +56,8 @@ __all__ = [
     "CacheRouterError",
     "ChatRequest",
     "ChatResponse",
+    "ChatSession",
+    "ChatToolCall",
     "ConfigError",
     "DeepSeekCacheModel",
     "EndpointConfig",
@@ -67,23 +74,21 @@ __all__ = [
     "PrefixCacheModel",
     "Problem",
     "RecordingModel",
+    "RegisteredTool",
     "Registry",
     "RegistryError",
     "ReloadOutcome",
     "Router",
     "RouterConfig",
     "SchemaError",
+    "ScriptResult",
     "ScriptSchema",
     "ScriptedModel",
-    "Session",
     "SessionError",
     "SimulatedProvider",
     "SkillParam",
     "Summary",
-    "ToolCall",
     "ToolExecutionError",
-    "ToolResult",
-    "ToolSpec",
     "UpstreamConfig",
     "Usage",
     "build_argv",

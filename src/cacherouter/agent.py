@@ -19,7 +19,7 @@ from .canonical import canonical_json
 from .errors import CacheRouterError, SessionError
 from .gateway import Gateway
 from .mainview import MainView
-from .models import ChatModel, ChatRequest, ChatResponse, Message, ToolCall
+from .models import ChatModel, ChatRequest, ChatResponse, ChatToolCall, Message
 from .prompts import (
     DEEP_THINKING,
     DIRECT_ANSWER,
@@ -33,7 +33,7 @@ from .prompts import (
     UNCERTAIN,
 )
 from .router import Router, router_arguments
-from .session import Session, answer_tool_calls
+from .session import ChatSession, answer_tool_calls
 
 # Output that reports failure although the process exited 0: the "implicit" errors.
 IMPLICIT_ERROR = re.compile(
@@ -95,10 +95,10 @@ class Agent:
         self.config = config or AgentConfig()
         self.clock = clock
 
-    def new_session(self, view: MainView) -> Session:
-        return Session(view=view)
+    def new_session(self, view: MainView) -> ChatSession:
+        return ChatSession(view=view)
 
-    def ask(self, session: Session, query: str) -> Answer:
+    def ask(self, session: ChatSession, query: str) -> Answer:
         system: Message = {"role": "system", "content": MAIN_SYSTEM}
         user: Message = {"role": "user", "content": query}
         view = session.view
@@ -120,7 +120,7 @@ class Agent:
         # reply is not kept.
         return self._loop(session, system, user)
 
-    def _loop(self, session: Session, system: Message, user: Message) -> Answer:
+    def _loop(self, session: ChatSession, system: Message, user: Message) -> Answer:
         start = self.clock()
         new: list[Message] = [user]
         rounds = penalty = errors = router_calls = 0
@@ -192,7 +192,7 @@ class Agent:
             deep_thinking=tuple(deep),
         )
 
-    def _fallback(self, session: Session, system: Message, new: list[Message], calls: list[CallRecord]) -> str:
+    def _fallback(self, session: ChatSession, system: Message, new: list[Message], calls: list[CallRecord]) -> str:
         new.append({"role": "user", "content": FALLBACK})
         request = ChatRequest(
             messages=(system, *session.full, *new),
@@ -213,7 +213,7 @@ class Agent:
         return text
 
     def _complete_after_tools(
-        self, session: Session, request: ChatRequest, new: list[Message], calls: list[CallRecord]
+        self, session: ChatSession, request: ChatRequest, new: list[Message], calls: list[CallRecord]
     ) -> ChatResponse:
         """One main-model request of the loop. If it fails (or is interrupted) after tools have run, their calls
         and results are stored as an aborted turn before the error goes on: the tools' effects are real, and
@@ -225,7 +225,7 @@ class Agent:
                 self._abort(session, new, calls, e)
             raise
 
-    def _abort(self, session: Session, new: list[Message], calls: list[CallRecord], error: BaseException) -> None:
+    def _abort(self, session: ChatSession, new: list[Message], calls: list[CallRecord], error: BaseException) -> None:
         """Store the partial turn in both streams, closed by a TURN_ABORTED note, and save the session.
 
         The note is an assistant message, so the history stays valid for chat APIs (every call answered, no empty
@@ -245,13 +245,13 @@ class Agent:
             error.add_note(f"the partial turn could not be saved either: {save_error}")
 
     def _run_calls(
-        self, view: MainView, tool_calls: tuple[ToolCall, ...], context: list[str]
+        self, view: MainView, tool_calls: tuple[ChatToolCall, ...], context: list[str]
     ) -> list[tuple[str, CallRecord]]:
         workers = max(1, min(len(tool_calls), self.config.max_parallel))
         with ThreadPoolExecutor(max_workers=workers) as pool:
             return list(pool.map(lambda call: self._run_call(view, call, context), tool_calls))
 
-    def _run_call(self, view: MainView, call: ToolCall, context: list[str]) -> tuple[str, CallRecord]:
+    def _run_call(self, view: MainView, call: ChatToolCall, context: list[str]) -> tuple[str, CallRecord]:
         """Always returns one result per call: a tool message is owed for every tool_call id."""
         try:
             if call.raw_arguments:
@@ -280,7 +280,7 @@ class Agent:
         except CacheRouterError as e:
             return _error(call.name, str(e))
 
-    def _finish(self, session: Session, new: list[Message], text: str, path: str) -> None:
+    def _finish(self, session: ChatSession, new: list[Message], text: str, path: str) -> None:
         """Append the turn to both streams. ``new`` holds the model's replies exactly as it produced them (markers
         included): providers persist a request's output as a cache boundary, so the next request hits through
         the reply only if the history repeats its bytes. ``text`` is the answer shown to the user."""

@@ -35,13 +35,13 @@ from .models import (
     ChatModel,
     ChatRequest,
     ChatResponse,
+    ChatToolCall,
     ScriptedModel,
     SimulatedProvider,
-    ToolCall,
 )
 from .prompts import DIRECT_ANSWER, NEED_TOOLS, ROUTER_TOOL
 from .router import Router, RouterConfig
-from .session import Session
+from .session import ChatSession
 
 COST_NOTE = (
     "(input cost is relative: 1.0 = one uncached input token at the provider's own cache discount; "
@@ -84,7 +84,7 @@ def scripted_main(request: ChatRequest) -> ChatResponse:
         return ChatResponse(content=f"(scripted) the tool answered: {last.get('content', '')}")
     if request.channel == "fallback":
         return ChatResponse(content="(scripted) I could not get a tool result for this.")
-    return ChatResponse(tool_calls=(ToolCall(id="call_0", name=ROUTER_TOOL, arguments={"task": text}),))
+    return ChatResponse(tool_calls=(ChatToolCall(id="call_0", name=ROUTER_TOOL, arguments={"task": text}),))
 
 
 def _coerce(value: str, schema: dict[str, Any]) -> Any:
@@ -124,7 +124,7 @@ def scripted_router(request: ChatRequest) -> ChatResponse:
     )
     properties: dict[str, Any] = function["parameters"].get("properties", {})
     arguments = {key: _coerce(value, properties[key]) for key, value in _PAIR.findall(task) if key in properties}
-    return ChatResponse(tool_calls=(ToolCall(id="route_0", name=function["name"], arguments=arguments),))
+    return ChatResponse(tool_calls=(ChatToolCall(id="route_0", name=function["name"], arguments=arguments),))
 
 
 def build_chat(
@@ -202,7 +202,9 @@ def _tokens(count: int | None) -> str:
     return "unknown" if count is None else str(count)
 
 
-def run_chat(setup: ChatSetup, session: Session, lines: Iterable[str], out: TextIO, *, prompt: str = "you> ") -> int:
+def run_chat(
+    setup: ChatSetup, session: ChatSession, lines: Iterable[str], out: TextIO, *, prompt: str = "you> "
+) -> int:
     """Answer each line until end of input or ``/quit``; print per-request cache figures after each turn.
 
     Returns the exit status: 0, or 130 after Ctrl-C (which ends the chat, during a turn too; see the module doc).
@@ -241,7 +243,7 @@ def run_chat(setup: ChatSetup, session: Session, lines: Iterable[str], out: Text
     return status
 
 
-def _turn(setup: ChatSetup, session: Session, query: str, out: TextIO, label: str) -> None:
+def _turn(setup: ChatSetup, session: ChatSession, query: str, out: TextIO, label: str) -> None:
     refused = message_too_long(query)
     if refused is not None:
         print(f"error: {refused}", file=out)
@@ -264,7 +266,7 @@ def _turn(setup: ChatSetup, session: Session, query: str, out: TextIO, label: st
         )
 
 
-def _interrupted(setup: ChatSetup, session: Session, turns_before: int) -> str:
+def _interrupted(setup: ChatSetup, session: ChatSession, turns_before: int) -> str:
     """What Ctrl-C left behind, in one line."""
     if setup.agent.config.sessions_dir is None:
         return "interrupted; this session is not saved (no --sessions-dir)"

@@ -249,13 +249,13 @@ def _cmd_serve_mcp(args: argparse.Namespace) -> int:
 
 def _cmd_chat(args: argparse.Namespace) -> int:
     from .chat import run_chat
-    from .session import Session
+    from .session import ChatSession
 
     sessions_dir = _sessions_dir(args.sessions_dir) if args.sessions_dir else None
     if args.session and sessions_dir is None:
         raise ConfigError("--session needs --sessions-dir, where sessions are kept")
     # A resumed session keeps its own view (core tools included): today's --packages need not even exist.
-    resumed = Session.load(sessions_dir, args.session) if args.session and sessions_dir else None
+    resumed = ChatSession.load(sessions_dir, args.session) if args.session and sessions_dir else None
     if resumed is not None and args.packages is not None and tuple(sorted(args.packages)) != resumed.view.packages:
         print(f"note: session {resumed.id} keeps its core packages {list(resumed.view.packages)}", file=sys.stderr)
     with _started_gateway(args) as gateway:

@@ -27,7 +27,7 @@ from typing import Any
 
 from .canonical import canonical_json
 from .errors import ConfigError, ModelError
-from .models import THINK_BLOCK, ChatRequest, ChatResponse, ToolCall
+from .models import THINK_BLOCK, ChatRequest, ChatResponse, ChatToolCall
 from .usage import normalize_provider
 
 MAIN_PREFIX = "CACHEROUTER_MAIN"
@@ -420,12 +420,12 @@ def _split_think(text: str) -> tuple[str, str]:
     return text[match.end() :], text[: match.end()]
 
 
-def _tool_calls(raw_calls: Any) -> tuple[ToolCall, ...]:
+def _tool_calls(raw_calls: Any) -> tuple[ChatToolCall, ...]:
     if raw_calls is None:
         return ()
     if not isinstance(raw_calls, list):
         raise ModelError(f"the answer's tool_calls is not a list: {_excerpt(raw_calls)}")
-    calls: list[ToolCall] = []
+    calls: list[ChatToolCall] = []
     seen: set[str] = set()
     for index, raw in enumerate(raw_calls):
         function = raw.get("function") if isinstance(raw, Mapping) else None
@@ -443,26 +443,26 @@ def _tool_calls(raw_calls: Any) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def _tool_call(call_id: str, name: str, value: Any) -> ToolCall:
+def _tool_call(call_id: str, name: str, value: Any) -> ChatToolCall:
     """A call whose arguments are a JSON object, or one that keeps what the model sent for the agent's error."""
     if value is None or value == "":
-        return ToolCall(id=call_id, name=name, arguments={})
+        return ChatToolCall(id=call_id, name=name, arguments={})
     if isinstance(value, str):
         try:
             parsed = json.loads(value, parse_constant=_reject_constant, parse_float=_finite_float)
         except (ValueError, RecursionError):
             parsed = None
         if isinstance(parsed, dict):
-            return ToolCall(id=call_id, name=name, arguments=parsed, arguments_json=value)
-        return ToolCall(id=call_id, name=name, arguments={}, raw_arguments=value)
+            return ChatToolCall(id=call_id, name=name, arguments=parsed, arguments_json=value)
+        return ChatToolCall(id=call_id, name=name, arguments={}, raw_arguments=value)
     if isinstance(value, Mapping):  # some servers send the object itself instead of its JSON text
         try:
             canonical_json(value)  # rejects NaN and infinities, which could not be sent back
         except ValueError:
             pass
         else:
-            return ToolCall(id=call_id, name=name, arguments=dict(value))
-    return ToolCall(id=call_id, name=name, arguments={}, raw_arguments=json.dumps(value, ensure_ascii=False))
+            return ChatToolCall(id=call_id, name=name, arguments=dict(value))
+    return ChatToolCall(id=call_id, name=name, arguments={}, raw_arguments=json.dumps(value, ensure_ascii=False))
 
 
 def _reject_constant(name: str) -> Any:

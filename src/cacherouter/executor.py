@@ -41,7 +41,7 @@ _TICK_S = 0.05  # how often the reader checks whether the tool has ended while i
 
 
 @dataclass(frozen=True, kw_only=True)
-class ToolResult:
+class ScriptResult:
     """What a tool run produced. A non-zero exit or a timeout is a result the model must see, not an error."""
 
     tool: str
@@ -209,7 +209,7 @@ def run_script(
     python: str = sys.executable,
     env: Mapping[str, str] | None = None,
     cancel: Cancellation | None = None,
-) -> ToolResult:
+) -> ScriptResult:
     """Run ``python script *argv`` with a timeout; on timeout the whole process group is killed.
 
     ``env`` defaults to ``os.environ``; credentials are dropped from it either way (:func:`tool_environment`).
@@ -244,7 +244,7 @@ def run_script(
     stopped = run.killed and not timed_out
     stdout, stdout_truncated = _decode(captured.stdout, cut=captured.stdout_overflowed)
     stderr, stderr_truncated = _decode(captured.stderr, cut=captured.stderr_overflowed)
-    return ToolResult(
+    return ScriptResult(
         tool=tool,
         argv=tuple(argv),
         exit_code=None if timed_out or stopped else proc.returncode,

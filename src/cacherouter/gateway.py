@@ -29,8 +29,16 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from .errors import ArgumentError, CacheRouterError, ConfigError
-from .executor import Cancellation, ToolResult, build_argv, run_script, tool_environment
-from .registry import Limits, Problem, Registry, ToolSpec, build_registry, repository_snapshot, write_package_indices
+from .executor import Cancellation, ScriptResult, build_argv, run_script, tool_environment
+from .registry import (
+    Limits,
+    Problem,
+    RegisteredTool,
+    Registry,
+    build_registry,
+    repository_snapshot,
+    write_package_indices,
+)
 from .upstreams import UpstreamConfig, load_upstreams
 
 if TYPE_CHECKING:
@@ -174,7 +182,7 @@ class Gateway:
     def _swap(self) -> Registry:
         """Merge the script registry and the upstream tools into a new registry and swap it in (holding the lock)."""
         scripts = self._scripts
-        tools: dict[str, ToolSpec] = dict(scripts.tools)
+        tools: dict[str, RegisteredTool] = dict(scripts.tools)
         problems: list[Problem] = list(scripts.problems)
         if self._hub is not None:
             holders = self._registry.tools
@@ -254,10 +262,10 @@ class Gateway:
         *,
         timeout: float | None = None,
         cancel: Cancellation | None = None,
-    ) -> ToolResult | UpstreamResult:
+    ) -> ScriptResult | UpstreamResult:
         """Run tool ``name`` with ``arguments`` (a JSON object). Unknown tools and bad arguments raise.
 
-        A script runs as a subprocess (:class:`~cacherouter.executor.ToolResult`); an upstream tool is called on
+        A script runs as a subprocess (:class:`~cacherouter.executor.ScriptResult`); an upstream tool is called on
         its MCP server, with the arguments as given -- the server checks them against the schema it declared
         (:class:`~cacherouter.mcp_upstream.UpstreamResult`). ``cancel.cancel()``, from any thread, stops the run
         (see :class:`~cacherouter.executor.Cancellation`).

@@ -31,13 +31,13 @@ from typing import Any
 
 from .canonical import canonical_json
 from .errors import ArgumentError, CacheRouterError, ConfigError
-from .executor import Cancellation, ToolResult, kill_running
+from .executor import Cancellation, ScriptResult, kill_running
 from .gateway import Gateway
 from .mcp_server import _exit_on_signals
 from .mcp_upstream import UpstreamResult
 from .models import ChatModel
 from .prompts import ROUTER_TOOL, router_tool_definition
-from .registry import ToolSpec
+from .registry import RegisteredTool
 from .relevance import make_ranker
 from .router import Router, RouterConfig, filter_candidates
 
@@ -118,7 +118,7 @@ class RoutingMCPServer:
         if missing:
             raise ConfigError(f"core tool(s) {missing} are not registered; registered: {sorted(registry.tools)}")
         self.gateway = gateway
-        self.core: dict[str, ToolSpec] = {name: registry.tools[name] for name in sorted(core)}  # frozen here
+        self.core: dict[str, RegisteredTool] = {name: registry.tools[name] for name in sorted(core)}  # frozen here
         self.config = router_config or RouterConfig()
         self.router = (
             Router(gateway, router_model, core_tools=frozenset(self.core), config=self.config)
@@ -272,7 +272,7 @@ class RoutingMCPServer:
             return types.CallToolResult(content=[], is_error=bool(raw.get("isError")))
 
 
-def _script_result(result: ToolResult) -> types.CallToolResult:
+def _script_result(result: ScriptResult) -> types.CallToolResult:
     payload = result.to_json()
     stdout = payload.pop("stdout")
     text = stdout if result.ok else payload.get("error", "") + ("\n" + stdout if stdout else "")

@@ -49,7 +49,7 @@ from typing import Any, TextIO
 from .canonical import canonical_json
 from .errors import ConfigError
 from .executor import Cancellation
-from .registry import Limits, Problem, ToolSpec
+from .registry import Limits, Problem, RegisteredTool
 from .upstreams import UpstreamConfig, check_input_schema, namespaced_name
 
 try:
@@ -219,8 +219,8 @@ class _Link:
     hub: UpstreamHub
     state: str = "connecting"
     client: Client | None = None
-    tools: dict[str, ToolSpec] = field(default_factory=dict)  # registry name -> spec, what is served now
-    last_good: dict[str, ToolSpec] = field(default_factory=dict)  # the server's tool name -> last good spec
+    tools: dict[str, RegisteredTool] = field(default_factory=dict)  # registry name -> spec, what is served now
+    last_good: dict[str, RegisteredTool] = field(default_factory=dict)  # the server's tool name -> last good spec
     problems: tuple[Problem, ...] = ()
     protocol_version: str | None = None
     instructions: str = ""
@@ -398,7 +398,7 @@ class _Link:
         """
         config = self.config
         names = Counter(t.get("name") for t in raw if isinstance(t, dict))
-        tools: dict[str, ToolSpec] = {}
+        tools: dict[str, RegisteredTool] = {}
         problems: dict[str, str] = {}
         listed: set[str] = set()
         for rejected_name, why in rejected:
@@ -444,14 +444,14 @@ class _Link:
         if changed:
             self.hub.changed()
 
-    def _spec(self, entry: dict[str, Any]) -> ToolSpec:
+    def _spec(self, entry: dict[str, Any]) -> RegisteredTool:
         name: str = entry["name"]
         limit = self.hub.limits.max_description_length
         description = str(entry.get("description") or entry.get("title") or "")
         description = description or f"{name} from the MCP server {self.config.name}"
         if len(description) > limit:
             description = description[: limit - 3].rstrip() + "..."
-        return ToolSpec(
+        return RegisteredTool(
             name=namespaced_name(self.config.name, name),
             package=f"mcp:{self.config.name}",
             skill=self.config.name,
@@ -463,7 +463,7 @@ class _Link:
             declared_schema=json.dumps(entry["inputSchema"], ensure_ascii=False, separators=(",", ":")),
         )
 
-    async def call(self, spec: ToolSpec, arguments: Mapping[str, Any], timeout: float) -> UpstreamResult:
+    async def call(self, spec: RegisteredTool, arguments: Mapping[str, Any], timeout: float) -> UpstreamResult:
         start = time.monotonic()
         client = self.client
         server = self.config.name
@@ -507,7 +507,7 @@ class _Link:
         )
 
 
-def _digests(tools: Mapping[str, ToolSpec]) -> dict[str, str]:
+def _digests(tools: Mapping[str, RegisteredTool]) -> dict[str, str]:
     return {name: spec.digest for name, spec in tools.items()}
 
 
@@ -542,7 +542,7 @@ class UpstreamHub:
         self._configs = upstreams
         self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
-        self._tools: Mapping[str, ToolSpec] = MappingProxyType({})
+        self._tools: Mapping[str, RegisteredTool] = MappingProxyType({})
         self._problems: tuple[Problem, ...] = ()
         self.generation = 0
         self._loop = asyncio.new_event_loop()
@@ -598,7 +598,7 @@ class UpstreamHub:
     # ---------------------------------------------------------------- what the gateway reads (any thread)
 
     @property
-    def tools(self) -> Mapping[str, ToolSpec]:
+    def tools(self) -> Mapping[str, RegisteredTool]:
         return self._tools
 
     @property
@@ -610,7 +610,7 @@ class UpstreamHub:
 
     def call(
         self,
-        spec: ToolSpec,
+        spec: RegisteredTool,
         arguments: Mapping[str, Any],
         *,
         timeout: float | None = None,
@@ -665,7 +665,7 @@ class UpstreamHub:
 
     def changed(self) -> None:
         """Rebuild the merged tool map after a link changed, and tell the gateway (from the loop's thread)."""
-        tools: dict[str, ToolSpec] = {}
+        tools: dict[str, RegisteredTool] = {}
         problems: list[Problem] = []
         for name in sorted(self._links):
             link = self._links[name]

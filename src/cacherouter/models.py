@@ -27,7 +27,7 @@ THINK_BLOCK = re.compile(r"\s*<think>(.*?)</think>\s*", re.DOTALL)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ToolCall:
+class ChatToolCall:
     """One tool call. ``arguments`` is always an object; the other two fields decide what the history replays.
 
     ``raw_arguments`` is set only when the model sent arguments that are not a JSON object: the agent quotes it in
@@ -60,7 +60,7 @@ class ChatRequest:
 @dataclass(frozen=True, kw_only=True)
 class ChatResponse:
     content: str = ""  # the answer text; a leading <think> block is moved to ``think_block``
-    tool_calls: tuple[ToolCall, ...] = ()
+    tool_calls: tuple[ChatToolCall, ...] = ()
     usage: Mapping[str, Any] = field(default_factory=dict)
     model: str = ""
     # Why the provider stopped: "stop", "tool_calls", "length" (cut off), "content_filter"; None if not said.

@@ -60,7 +60,7 @@ class Problem:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ToolSpec:
+class RegisteredTool:
     """One registered tool: a script (where it is, what its command line looks like) or an upstream MCP tool.
 
     An upstream tool has no script: ``upstream`` names its server (see :mod:`cacherouter.upstreams`),
@@ -110,17 +110,17 @@ class ToolSpec:
 class Registry:
     """An immutable snapshot of the registered tools."""
 
-    tools: Mapping[str, ToolSpec] = field(default_factory=lambda: MappingProxyType({}))
+    tools: Mapping[str, RegisteredTool] = field(default_factory=lambda: MappingProxyType({}))
     problems: tuple[Problem, ...] = ()
     generation: int = 0
 
-    def __iter__(self) -> Iterator[ToolSpec]:
+    def __iter__(self) -> Iterator[RegisteredTool]:
         return iter(self.tools[name] for name in sorted(self.tools))
 
     def __len__(self) -> int:
         return len(self.tools)
 
-    def get(self, name: str) -> ToolSpec | None:
+    def get(self, name: str) -> RegisteredTool | None:
         return self.tools.get(name)
 
     @property
@@ -131,7 +131,7 @@ class Registry:
             index.setdefault(spec.package, []).append(spec.name)
         return MappingProxyType({pkg: tuple(names) for pkg, names in sorted(index.items())})
 
-    def in_packages(self, packages: tuple[str, ...]) -> tuple[ToolSpec, ...]:
+    def in_packages(self, packages: tuple[str, ...]) -> tuple[RegisteredTool, ...]:
         wanted = set(packages)
         return tuple(spec for spec in self if spec.package in wanted)
 
@@ -224,7 +224,7 @@ def build_registry(
     last_good = previous.tools if previous is not None else {}
     scripts = list(iter_scripts(root))
     holders = _previous_holders(last_good, {script for _, _, script in scripts})
-    tools: dict[str, ToolSpec] = {}
+    tools: dict[str, RegisteredTool] = {}
     problems: list[Problem] = []
     skill_cache: dict[Path, tuple[dict[str, str], str]] = {}
     for package, skill, script in scripts:
@@ -296,7 +296,7 @@ def build_registry(
         description = schema.description or meta.get("description", "") or f"{skill} tool from package {package}"
         if len(description) > limits.max_description_length:
             description = description[: limits.max_description_length - 3].rstrip() + "..."
-        tools[name] = ToolSpec(
+        tools[name] = RegisteredTool(
             name=name,
             package=package,
             skill=skill,
@@ -310,7 +310,7 @@ def build_registry(
     return Registry(tools=MappingProxyType(tools), problems=tuple(problems), generation=generation)
 
 
-def _previous_holders(last_good: Mapping[str, ToolSpec], present: set[Path]) -> dict[str, Path]:
+def _previous_holders(last_good: Mapping[str, RegisteredTool], present: set[Path]) -> dict[str, Path]:
     """Tool name -> the script that held it in the previous registry and is still there.
 
     On a name clash the holder keeps the name and the newcomer is the problem: a script added anywhere in the

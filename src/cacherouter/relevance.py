@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import ConfigError
-from .registry import ToolSpec
+from .registry import RegisteredTool
 
 if TYPE_CHECKING:
     import numpy as np
@@ -52,10 +52,10 @@ def names_tool(query: str, name: str) -> bool:
 class Ranker(Protocol):
     name: str
 
-    def rank(self, query: str, tools: Sequence[ToolSpec]) -> list[tuple[float, ToolSpec]]: ...
+    def rank(self, query: str, tools: Sequence[RegisteredTool]) -> list[tuple[float, RegisteredTool]]: ...
 
 
-def _best_first(scored: list[tuple[float, ToolSpec]]) -> list[tuple[float, ToolSpec]]:
+def _best_first(scored: list[tuple[float, RegisteredTool]]) -> list[tuple[float, RegisteredTool]]:
     return sorted(scored, key=lambda pair: (-pair[0], pair[1].name))
 
 
@@ -64,7 +64,7 @@ class KeywordHitRatio:
 
     name = "keyword"
 
-    def rank(self, query: str, tools: Sequence[ToolSpec]) -> list[tuple[float, ToolSpec]]:
+    def rank(self, query: str, tools: Sequence[RegisteredTool]) -> list[tuple[float, RegisteredTool]]:
         wanted = set(terms(query))
         if not wanted:
             return []
@@ -86,7 +86,7 @@ class BM25:
     name_boost: float = 5.0
     name = "bm25"
 
-    def rank(self, query: str, tools: Sequence[ToolSpec]) -> list[tuple[float, ToolSpec]]:
+    def rank(self, query: str, tools: Sequence[RegisteredTool]) -> list[tuple[float, RegisteredTool]]:
         q_terms = terms(query)
         if not q_terms or not tools:
             return []
@@ -123,7 +123,7 @@ class Embedder(Protocol):
     def embed(self, texts: Sequence[str]) -> ArrayLike: ...
 
 
-def dense_text(tool: ToolSpec) -> str:
+def dense_text(tool: RegisteredTool) -> str:
     """What a tool is, in words: its name split into words, package, skill, description and SKILL.md text.
 
     Argument help is left out on purpose: it says how to call a tool, not what it is for, and in an averaged
@@ -150,7 +150,7 @@ class DenseRelevance:
         self._vectors: dict[str, NDArray[np.float32]] = {}
         self._lock = threading.Lock()
 
-    def rank(self, query: str, tools: Sequence[ToolSpec]) -> list[tuple[float, ToolSpec]]:
+    def rank(self, query: str, tools: Sequence[RegisteredTool]) -> list[tuple[float, RegisteredTool]]:
         if not query.strip() or not tools:
             return []
         matrix = self.tool_matrix(tools)
@@ -163,7 +163,7 @@ class DenseRelevance:
                 scored.append((float(score), tool))
         return _best_first(scored)
 
-    def tool_matrix(self, tools: Sequence[ToolSpec]) -> NDArray[np.float32]:
+    def tool_matrix(self, tools: Sequence[RegisteredTool]) -> NDArray[np.float32]:
         """Unit vectors of ``tools``, one row each, embedding only texts not seen before."""
         import numpy as np
 
@@ -286,7 +286,7 @@ class RetrievalScore:
 
 
 def evaluate_ranker(
-    ranker: Ranker, labelled: Sequence[tuple[str, str]], tools: Sequence[ToolSpec], *, k: int = 5
+    ranker: Ranker, labelled: Sequence[tuple[str, str]], tools: Sequence[RegisteredTool], *, k: int = 5
 ) -> RetrievalScore:
     """Score ``ranker`` on (query, expected tool name) pairs: hit@1, recall@k and mean reciprocal rank."""
     hits1 = hitsk = 0

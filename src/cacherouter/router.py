@@ -23,7 +23,7 @@ from .errors import CacheRouterError
 from .gateway import Gateway
 from .models import ChatModel, ChatRequest, Message
 from .prompts import MAX_TASK_CHARS, ROUTER_SYSTEM
-from .registry import ToolSpec
+from .registry import RegisteredTool
 from .relevance import Ranker, make_ranker
 
 
@@ -75,12 +75,12 @@ def compress_task(task: str, context: Sequence[str] = (), *, limit: int = MAX_TA
 
 def filter_candidates(
     query: str,
-    tools: Sequence[ToolSpec],
+    tools: Sequence[RegisteredTool],
     *,
     config: RouterConfig,
     core_tools: frozenset[str],
     ranker: Ranker | None = None,
-) -> tuple[ToolSpec, ...]:
+) -> tuple[RegisteredTool, ...]:
     """Blacklist -> whitelist -> top-k -> yellowlist (top-1 fallback). Later stages never re-add tools."""
     if not config.filtering:
         return tuple(tools)

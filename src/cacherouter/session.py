@@ -57,7 +57,7 @@ def answer_tool_calls(messages: list[Message]) -> list[Message]:
 
 
 @dataclass
-class Session:
+class ChatSession:
     view: MainView
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     compact: list[Message] = field(default_factory=list)
@@ -86,7 +86,7 @@ class Session:
         return target
 
     @classmethod
-    def load(cls, directory: Path, session_id: str) -> Session:
+    def load(cls, directory: Path, session_id: str) -> ChatSession:
         if not _ID.match(session_id):
             raise SessionError(f"invalid session id {session_id!r}")
         path = directory / f"{session_id}.json"

@@ -32,7 +32,7 @@ from typing import Any
 
 from .argparse_ast import extract_static
 from .errors import SchemaError
-from .executor import ToolResult, build_argv, run_script
+from .executor import ScriptResult, build_argv, run_script
 from .prompts import PLACEHOLDER_TOOL, ROUTER_TOOL
 from .registry import SKILL_FILE, is_segment, iter_scripts
 from .schema import ScriptSchema
@@ -168,7 +168,7 @@ def _static_schema(name: str, source: str, header: str) -> ScriptSchema:
     return extraction.schema
 
 
-def _check_run(name: str, package: str, source: str, skill_md: str, argv: list[str], timeout: float) -> ToolResult:
+def _check_run(name: str, package: str, source: str, skill_md: str, argv: list[str], timeout: float) -> ScriptResult:
     """Run a copy of the skill in a fresh temporary directory laid out like the repository, without
     ``CACHEROUTER_REPO``; raises :class:`SchemaError` unless it exits 0 in time."""
     env = {key: value for key, value in os.environ.items() if key != REPO_VARIABLE}

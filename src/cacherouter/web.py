@@ -35,7 +35,7 @@ from .chat import MAX_MESSAGE_CHARS, SCRIPTED_LABEL, ChatSetup, known_cost, mess
 from .errors import CacheRouterError, ConfigError
 from .models import Message
 from .prompts import ROUTER_TOOL
-from .session import Session
+from .session import ChatSession
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -80,7 +80,7 @@ class WebChat:
     only while the turn list changes or is copied, so reading the state never waits for a model or a tool.
     """
 
-    def __init__(self, setup: ChatSetup, session: Session) -> None:
+    def __init__(self, setup: ChatSetup, session: ChatSession) -> None:
         self.setup = setup
         self.session = session
         self._turn_lock = threading.Lock()

@@ -1,16 +1,26 @@
 """Every error tvcache raises, under one base class.
 
     TVCacheError
-    ├── InvalidInput           a bad value from the caller
+    ├── InvalidInput           a bad value from the caller                                      HTTP 400
     │   ├── InvalidTaskId      a task id that is empty, too long or contains NUL
-    │   └── InvalidToolCall    arguments that are not JSON, or that do not fit the tool's spec
-    │       └── UnknownTool    a call to a tool nobody declared
+    │   ├── InvalidToolCall    arguments that are not JSON, or that do not fit the tool's spec
+    │   │   └── UnknownTool    a call to a tool nobody declared
+    │   └── NotFound           a task, node, claim or lease the request names does not exist    HTTP 404
     ├── SandboxError           a sandbox failed to start, fork, snapshot or execute
     │   ├── ReplayError        a sandbox failed while re-creating a cached state
     │   ├── CriuError          CRIU failed to dump or restore a process tree (its log is in the message)
-    │   └── SnapshotDeclined   a backend cannot freeze this state exactly (the cache goes on without a snapshot)
-    ├── JournalError           the durable journal cannot be opened or written
-    └── SessionClosed          a call on a session that has already ended
+    │   ├── SnapshotDeclined   a backend cannot freeze this state exactly (the cache goes on without a snapshot)
+    │   └── SnapshotUnusable   no process can fork this snapshot any more (the cache forgets it everywhere)
+    ├── JournalError           the durable journal cannot be opened or written                  HTTP 503
+    ├── SessionClosed          a call on a session that has already ended
+    ├── ServerBusy             the server holds as many claims or leases as it takes            HTTP 503
+    ├── ServerError            a server refused a request or could not be reached (``status``; 0: unreachable)
+    │   └── ReplicaDropped     the request's node ids belong to a replica the client dropped    HTTP 409
+    └── ClaimLost              the client executing a call this session waited for failed or died
+
+The HTTP statuses are those of the native API (``tvcache.api.errors`` holds the one table from exception to status
+and error type and back, used by the server, the HTTP store and the Ray shards). A client meets a refusal of the
+server as ``InvalidInput`` (400 and 422: the request cannot be accepted) or ``ServerError`` (anything else).
 
 Each message says what went wrong and what to do about it.
 """
@@ -83,3 +93,31 @@ class JournalError(TVCacheError):
 
 class SessionClosed(TVCacheError):
     """A call was made on a session after it was closed."""
+
+
+class NotFound(InvalidInput):
+    """A task, node, claim or lease the request names does not exist (HTTP 404)."""
+
+
+class ServerBusy(TVCacheError):
+    """The server holds as many claims or leases as it takes (HTTP 503): retry once some have ended."""
+
+
+class ServerError(TVCacheError):
+    """The server refused a request or could not be reached. ``status`` is the HTTP status (0: unreachable)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+class ReplicaDropped(ServerError):
+    """The node ids of a request belong to a replica this client dropped (the server restarted, or sent a node
+    that does not match the replica's). The store's operations catch it and go on without the server."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(409, message)
+
+
+class ClaimLost(TVCacheError):
+    """The client executing a call this session waited for failed or died; the session claims it again."""

@@ -23,20 +23,55 @@ import time
 import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .calls import ToolCall, ToolSpec
 from .errors import InvalidInput, ReplayError, SandboxError, SessionClosed, SnapshotDeclined, SnapshotUnusable
-from .graph import Lease, Node
+from .graph import Lease, Node, ToolCallGraph
+from .policies import CostModel, SnapshotPolicy
 from .protocol import Outcome, Sandbox, SandboxFactory, Snapshot
-from .results import AuditFinding, ToolResult
+from .results import AuditFinding, CacheStats, ToolResult
+from .store.protocol import GraphStore
 
-if TYPE_CHECKING:
-    from .cache import Cache
-
-__all__ = ["Session", "SessionStats", "SyncSession", "TestResult"]
+__all__ = ["Session", "SessionCache", "SessionStats", "SyncSession", "TestResult"]
 
 TestFunction = Callable[[Sandbox], Any] | Callable[[Sandbox], Awaitable[Any]]
+
+
+class SessionCache(Protocol):
+    """What a session needs of its cache (``tvcache.cache.Cache`` is the one there is): the store it shares,
+    the policy deciding what may be cached, and where its telemetry and findings go."""
+
+    snapshot_policy: SnapshotPolicy
+
+    @property
+    def store(self) -> GraphStore: ...
+
+    def graph(self, task_id: str) -> ToolCallGraph: ...
+
+    def spec(self, name: str, factory: SandboxFactory | None = None) -> ToolSpec: ...
+
+    def is_deterministic(self, spec: ToolSpec, task_id: str | None = None) -> bool: ...
+
+    def costs(self, factory: SandboxFactory) -> CostModel: ...
+
+    def count(self, counter: str, amount: int = 1) -> None: ...
+
+    def account(self, *, executed: float = 0.0, saved: float = 0.0) -> None: ...
+
+    def should_audit(self) -> bool: ...
+
+    def claim_verification(self, task_id: str, spec: ToolSpec) -> bool: ...
+
+    def passed_verification(self, task_id: str, tool: str) -> None: ...
+
+    def release_verification(self, task_id: str, tool: str) -> None: ...
+
+    def report_audit(self, finding: AuditFinding) -> None: ...
+
+    def report_divergence(self, task_id: str, node: Node, output: str, *, source: str = "replay") -> None: ...
+
+    def stats(self) -> CacheStats: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,10 +103,11 @@ class SessionStats:
 class Session:
     """One rollout of one task. Use as ``async with cache.session(task, sandbox=factory) as s``."""
 
-    def __init__(self, cache: Cache, task_id: str, factory: SandboxFactory) -> None:
+    def __init__(self, cache: SessionCache, task_id: str, factory: SandboxFactory) -> None:
         self.cache = cache
         self.task_id = task_id
         self.factory = factory
+        self.store = cache.store
         self.graph = cache.graph(task_id)
         self._costs = cache.costs(factory)
         # Where the rollout is in the graph; None once it has left the cached paths.
@@ -103,22 +139,22 @@ class Session:
             return await self._execute_uncached(call, spec, started)
         while True:
             state = self.state
-            node = self.cache._lookup(self.graph, state, call)
+            node = self.store.lookup(self.graph, state, call)
             if node is not None:
-                if self.cache._claim_verification(self.task_id, spec):
+                if self.cache.claim_verification(self.task_id, spec):
                     return await self._verify_hit(node, spec, started)
                 return self._hit(node, started, coalesced=False)
-            owner, future = self.cache._claim(self.graph, state, call)
-            if owner:
+            claim = self.store.claim(self.graph, state, call)
+            if claim.owner:
                 return await self._execute_and_record(call, spec, state, started)
             try:
-                node = await asyncio.wrap_future(future)
+                node = await asyncio.wrap_future(claim.ready)
             except Exception:  # the executing session failed: try again ourselves
                 continue
             if node is None:  # it turned out not cacheable in this state
                 return await self._execute_uncached(call, spec, started)
-            self.cache._touch(self.graph, node)
-            self.cache._count("coalesced")
+            self.store.touch(self.graph, node)
+            self.cache.count("coalesced")
             return self._hit(node, started, coalesced=True)
 
     async def test(self, fn: TestFunction, *, key: str | None = None, mutates: bool = True) -> TestResult:
@@ -142,25 +178,25 @@ class Session:
             value = await _call_test(fn, self._live())
             return TestResult(key=key, value=value, hit=False, seconds=time.perf_counter() - started)
         while True:
-            found, cached = self.cache._lookup_test(self.graph, state, key)
-            if found:
-                return TestResult(key=key, value=cached, hit=True, seconds=time.perf_counter() - started)
-            owner, future = self.cache._claim_test(self.graph, state, key)
-            if owner:
+            cached = self.store.lookup_test(self.graph, state, key)
+            if cached.found:
+                return TestResult(key=key, value=cached.value, hit=True, seconds=time.perf_counter() - started)
+            claim = self.store.claim_test(self.graph, state, key)
+            if claim.owner:
                 break
             with contextlib.suppress(Exception):  # the owner failed: look again, and maybe run it ourselves
-                await asyncio.wrap_future(future)
+                await asyncio.wrap_future(claim.ready)
         try:
             sandbox = await self._ensure_sandbox(state)
             if mutates:
                 self._sandbox_state = None  # the check may change it (even if it fails): no longer a known state
             value = await _call_test(fn, sandbox)
             if self.state is not None:  # None: the replay diverged, so the value belongs to no cached state
-                self.cache._record_test(self.graph, state, key, value)
+                self.store.record_test(self.graph, state, key, value)
         except BaseException as error:
-            self.cache._resolve_test(self.graph, state, key, _for_waiters(error))
+            self.store.resolve_test(self.graph, state, key, error=_for_waiters(error))
             raise
-        self.cache._resolve_test(self.graph, state, key, None)
+        self.store.resolve_test(self.graph, state, key, error=None)
         return TestResult(key=key, value=value, hit=False, seconds=time.perf_counter() - started)
 
     async def close(self) -> None:
@@ -190,9 +226,9 @@ class Session:
         self.stats.hits += 1
         self.stats.seconds += seconds
         self.stats.seconds_saved += saved
-        self.cache._count("hits")
-        self.cache._account(saved=saved)
-        if self.cache._should_audit():
+        self.cache.count("hits")
+        self.cache.account(saved=saved)
+        if self.cache.should_audit():
             task = asyncio.get_running_loop().create_task(self._audit(node))
             self._audits.add(task)
             task.add_done_callback(self._audits.discard)
@@ -220,13 +256,13 @@ class Session:
         try:
             sandbox = await self._ensure_sandbox(state)
             if self.state is None:  # reaching that state diverged: the rollout runs uncached from here on
-                self.cache._release_verification(self.task_id, spec.name)
+                self.cache.release_verification(self.task_id, spec.name)
                 return await self._execute_uncached(call, spec, started)
             outcome, _ = await self._execute(sandbox, call)
         except Exception as error:
             # The check could not run (the sandbox failed and was stopped): the rollout is still at this state,
             # so the hit is served as it would have been without the check, which a later hit retries.
-            self.cache._release_verification(self.task_id, spec.name)
+            self.cache.release_verification(self.task_id, spec.name)
             warnings.warn(
                 f"task {self.task_id!r}: the first-hit check of node {node.id} could not run: {error!r}",
                 RuntimeWarning,
@@ -234,7 +270,7 @@ class Session:
             )
             return self._hit(node, started, coalesced=False)
         except BaseException:
-            self.cache._release_verification(self.task_id, spec.name)
+            self.cache.release_verification(self.task_id, spec.name)
             raise
         read_only = _left_state_unchanged(spec, outcome)
         agrees = (
@@ -244,17 +280,17 @@ class Session:
             and read_only == node.read_only
         )
         if not agrees:
-            self.cache._report_divergence(self.task_id, node, outcome.output, source="first-hit")
+            self.cache.report_divergence(self.task_id, node, outcome.output, source="first-hit")
             return self._uncached_result(call, outcome, read_only, started)
-        self.cache._passed_verification(self.task_id, spec.name)
+        self.cache.passed_verification(self.task_id, spec.name)
         if not node.read_only:
             self.state = node
             self._sandbox_state = node
-        self.cache._touch(self.graph, node)
+        self.store.touch(self.graph, node)
         seconds = time.perf_counter() - started
         self.stats.verified += 1
         self.stats.seconds += seconds
-        self.cache._count("verified")
+        self.cache.count("verified")
         return ToolResult(
             call=call,
             output=node.output,
@@ -274,29 +310,29 @@ class Session:
         try:
             sandbox = await self._ensure_sandbox(state)
             if self.state is None:  # the replay diverged: this rollout now runs uncached
-                self.cache._resolve(self.graph, state, call, None, None)
+                self.store.resolve(self.graph, state, call, node=None, error=None)
                 return await self._execute_uncached(call, spec, started)
             outcome, spent = await self._execute(sandbox, call)
             read_only = _left_state_unchanged(spec, outcome)
             if not outcome.deterministic:
-                self.cache._resolve(self.graph, state, call, None, None)
+                self.store.resolve(self.graph, state, call, node=None, error=None)
                 return self._uncached_result(call, outcome, read_only, started)
-            node = self.cache._record(self.graph, state, call, outcome, spent, read_only)
+            node = self.store.record(self.graph, state, call, outcome, seconds=spent, read_only=read_only)
         except BaseException as error:
             # The call may have run without being recorded (a journal that refused the write, a cancellation):
             # the sandbox is at no state of the graph, and the call counts as not made, as for a cancelled one.
             self._sandbox_state = None
-            self.cache._resolve(self.graph, state, call, None, _for_waiters(error))
+            self.store.resolve(self.graph, state, call, node=None, error=_for_waiters(error))
             raise
-        self.cache._resolve(self.graph, state, call, node, None)
+        self.store.resolve(self.graph, state, call, node=node, error=None)
         if node.output != outcome.output or node.is_error != outcome.is_error or node.read_only != read_only:
             # Someone recorded this call in this state earlier with another result (a claim lost to a TTL, another
             # server's worker): the tool is not deterministic, and this sandbox holds what *this* execution did,
             # which no cached state describes, so the rollout leaves the cached paths with it.
-            self.cache._report_divergence(self.task_id, node, outcome.output, source="record")
+            self.cache.report_divergence(self.task_id, node, outcome.output, source="record")
             return self._uncached_result(call, outcome, read_only, started)
         self.stats.misses += 1
-        self.cache._count("misses")
+        self.cache.count("misses")
         if not node.read_only:
             self.state = node
             self._sandbox_state = node
@@ -325,7 +361,7 @@ class Session:
             self.state = None
             self._sandbox_state = None
         self.stats.uncached += 1
-        self.cache._count("uncacheable")
+        self.cache.count("uncacheable")
         seconds = time.perf_counter() - started
         self.stats.seconds += seconds
         return ToolResult(
@@ -355,7 +391,7 @@ class Session:
             self._sandbox_state = None
             raise
         spent = time.perf_counter() - began
-        self.cache._account(executed=spent)
+        self.cache.account(executed=spent)
         return outcome, spent
 
     def _live(self) -> Sandbox:
@@ -400,7 +436,7 @@ class Session:
     async def _fresh_sandbox(self, target: Node) -> tuple[Sandbox, Node]:
         """A new sandbox at ``target`` or an ancestor of it (returned as the base to replay from)."""
         graph = self.graph
-        while (lease := self.cache._lease_snapshot(target, self.factory.kind)) is not None:
+        while (lease := self.store.lease_snapshot(target, self.factory.kind)) is not None:
             try:
                 assert lease.node.snapshot is not None
                 local = self._fork_is_local(lease.node.snapshot)
@@ -412,7 +448,7 @@ class Session:
                 if sandbox is not None:
                     return sandbox, lease.node
             finally:
-                self.cache._release(lease)
+                self.store.release(lease)
             # that fork failed: the next snapshot up, if any, may still beat a fresh start
         return await self._start(), graph.root
 
@@ -428,7 +464,7 @@ class Session:
             ) from error
         self._costs.observe("start", time.perf_counter() - began)
         self.stats.sandboxes_started += 1
-        self.cache._count("sandboxes_started")
+        self.cache.count("sandboxes_started")
         return sandbox
 
     def _fork_is_local(self, snapshot: Snapshot) -> bool:
@@ -455,16 +491,16 @@ class Session:
                 stacklevel=2,
             )
             self.stats.forks_failed += 1
-            self.cache._count("forks_failed")
-            self.cache._release(lease)
+            self.cache.count("forks_failed")
+            self.store.release(lease)
             if everywhere:
-                self.cache._drop_snapshot(self.graph, node)
+                self.store.drop_snapshot(self.graph, node)
             else:
-                self.cache._unforkable(snapshot)
+                self.store.mark_unforkable(snapshot)
             return None
         self._costs.observe("fork" if local else "fetching_fork", time.perf_counter() - began)
         self.stats.sandboxes_forked += 1
-        self.cache._count("sandboxes_forked")
+        self.cache.count("sandboxes_forked")
         return sandbox
 
     async def _replay(self, sandbox: Sandbox, base: Node, target: Node, *, live: bool) -> bool:
@@ -492,11 +528,11 @@ class Session:
                     self._sandbox_state = None
                 raise
             self.stats.calls_replayed += 1
-            self.cache._count("calls_replayed")
+            self.cache.count("calls_replayed")
             if diverged:
                 continue  # applying the rest of the history: its results belong to no cached state
             if outcome.output != step.output or outcome.is_error != step.is_error:
-                self.cache._report_divergence(self.task_id, step, outcome.output)
+                self.cache.report_divergence(self.task_id, step, outcome.output)
                 if not live:
                     return False
                 diverged = True
@@ -507,14 +543,14 @@ class Session:
         return not diverged
 
     async def _maybe_snapshot(self, sandbox: Sandbox, node: Node) -> None:
-        if not self.cache._wants_snapshot(self.graph, node, self._costs):
+        if not self.store.wants_snapshot(self.graph, node, policy=self.cache.snapshot_policy, costs=self._costs):
             return
-        dest = self.cache._snapshot_path(self.task_id, node)
+        dest = self.store.snapshot_path(self.task_id, node)
         began = time.perf_counter()
         try:
             snapshot = await sandbox.snapshot(dest)
         except SnapshotDeclined:
-            self.cache._count("snapshots_declined")  # this state is rebuilt by replay when needed
+            self.cache.count("snapshots_declined")  # this state is rebuilt by replay when needed
             return
         except Exception as error:  # a failed snapshot costs reuse, never correctness
             warnings.warn(
@@ -524,8 +560,7 @@ class Session:
             )
             return
         self._costs.observe("snapshot", time.perf_counter() - began)
-        self.cache._remember_owner(snapshot, self.factory)
-        self.cache._attach_snapshot(self.graph, node, snapshot)
+        self.store.attach_snapshot(self.graph, node, snapshot, made_by=self.factory)
 
     async def _stop_sandbox(self) -> None:
         sandbox, self._sandbox, self._sandbox_state = self._sandbox, None, None
@@ -568,7 +603,7 @@ class Session:
             cached_output=node.output,
             fresh_output=outcome.output,
         )
-        self.cache._report_audit(finding)
+        self.cache.report_audit(finding)
 
 
 def _left_state_unchanged(spec: ToolSpec, outcome: Outcome) -> bool:

@@ -7,12 +7,12 @@ from cacherouter.cachemodel import DeepSeekCacheModel, render_message
 from cacherouter.errors import ModelError, SchemaError
 from cacherouter.gateway import Gateway, GatewayConfig
 from cacherouter.mainview import MainView
-from cacherouter.models import ChatRequest, ChatResponse, ScriptedModel, SimulatedProvider, ToolCall
+from cacherouter.models import ChatRequest, ChatResponse, ChatToolCall, ScriptedModel, SimulatedProvider
 from cacherouter.prompts import DIRECT_ANSWER, NEED_TOOLS, PLACEHOLDER_TOOL, ROUTER_TOOL, UNCERTAIN
 from cacherouter.registry import build_registry
 from cacherouter.relevance import BM25, KeywordHitRatio, evaluate_ranker
 from cacherouter.router import Router, RouterConfig, compress_task, filter_candidates
-from cacherouter.session import Session
+from cacherouter.session import ChatSession
 from cacherouter.skills import SkillParam, build_skill
 
 
@@ -37,7 +37,7 @@ def make_agent(tmp_path, main_respond, router_respond=None, **config):
     view = MainView.from_registry(gateway.registry, ("base",))
     router = Router(gateway, router_model, core_tools=frozenset(view.core_tools))
     agent = Agent(gateway=gateway, main_model=main, router=router, config=AgentConfig(**config))
-    return agent, Session(view=view), ledger, root
+    return agent, ChatSession(view=view), ledger, root
 
 
 def test_triage_direct_answer_uses_one_request(tmp_path):
@@ -72,17 +72,17 @@ def test_parallel_calls_router_placeholder_and_unmatched_calls(tmp_path):
         if _rounds(request) == 0:
             return ChatResponse(
                 tool_calls=(
-                    ToolCall(id="a", name="echo_text", arguments={"text": "x"}),
-                    ToolCall(id="b", name=ROUTER_TOOL, arguments={"task": "weather report for a city"}),
-                    ToolCall(id="c", name=PLACEHOLDER_TOOL, arguments={"intent_summary": "x"}),
-                    ToolCall(id="d", name="no_such_tool", arguments={}),
+                    ChatToolCall(id="a", name="echo_text", arguments={"text": "x"}),
+                    ChatToolCall(id="b", name=ROUTER_TOOL, arguments={"task": "weather report for a city"}),
+                    ChatToolCall(id="c", name=PLACEHOLDER_TOOL, arguments={"intent_summary": "x"}),
+                    ChatToolCall(id="d", name="no_such_tool", arguments={}),
                 )
             )
         return ChatResponse(content="all done")
 
     def router(request):
         assert "echo_text" not in request.tools_json  # yellowlist keeps core tools out of the router
-        return ChatResponse(tool_calls=(ToolCall(id="r", name="city_weather", arguments={"text": "Paris"}),))
+        return ChatResponse(tool_calls=(ChatToolCall(id="r", name="city_weather", arguments={"text": "Paris"}),))
 
     agent, session, ledger, _ = make_agent(tmp_path, main, router)
     answer = agent.ask(session, "do things")
@@ -104,7 +104,7 @@ def test_errors_penalty_deep_thinking_and_honest_fallback(tmp_path):
         if request.channel == "fallback":
             return ChatResponse(content="The city is unknown.")
         return ChatResponse(
-            tool_calls=(ToolCall(id=f"c{_rounds(request)}", name="echo_text", arguments={"text": "no such file"}),)
+            tool_calls=(ChatToolCall(id=f"c{_rounds(request)}", name="echo_text", arguments={"text": "no such file"}),)
         )
 
     agent, session, _, _ = make_agent(tmp_path, main, round_limit=4, extended_round_limit=6)
@@ -124,7 +124,7 @@ def test_slow_execution_triggers_deep_thinking(tmp_path):
         if request.channel == "triage":
             return ChatResponse(content=NEED_TOOLS)
         if _rounds(request) < 2:
-            return ChatResponse(tool_calls=(ToolCall(id="x", name="show_time", arguments={}),))
+            return ChatResponse(tool_calls=(ChatToolCall(id="x", name="show_time", arguments={}),))
         return ChatResponse(content="ok")
 
     agent, session, _, _ = make_agent(tmp_path, main)
@@ -140,7 +140,7 @@ def test_session_persisted_and_resumed_with_the_same_view(tmp_path):
     agent.ask(session, "hello")
     add_tool(root, "base", "new", "new_core_tool")  # the core package grows: a new view would differ
     agent.gateway.poll()
-    loaded = Session.load(tmp_path / "sessions", session.id)
+    loaded = ChatSession.load(tmp_path / "sessions", session.id)
     assert loaded.view.tools_json == session.view.tools_json
     assert loaded.full == session.full
     assert MainView.from_registry(agent.gateway.registry, ("base",)).tools_json != loaded.view.tools_json
@@ -151,11 +151,11 @@ def test_tool_segment_is_byte_identical_across_reloads_skills_and_restarts(tmp_p
         if request.channel == "triage":
             return ChatResponse(content=NEED_TOOLS)
         if _rounds(request) == 0:
-            return ChatResponse(tool_calls=(ToolCall(id="r", name=ROUTER_TOOL, arguments={"task": "stock price"}),))
+            return ChatResponse(tool_calls=(ChatToolCall(id="r", name=ROUTER_TOOL, arguments={"task": "stock price"}),))
         return ChatResponse(content="done")
 
     agent, session, ledger, root = make_agent(
-        tmp_path, main, lambda r: ChatResponse(tool_calls=(ToolCall(id="s", name="stock_price", arguments={}),))
+        tmp_path, main, lambda r: ChatResponse(tool_calls=(ChatToolCall(id="s", name="stock_price", arguments={}),))
     )
     agent.ask(session, "q1")
     add_tool(root, "tail", "more", "more_tool")  # hot reload
@@ -194,11 +194,11 @@ def test_triage_is_direct_only_on_the_marker_without_tool_calls(tmp_path):
     """Providers such as llama.cpp may ignore tool_choice="none"; a reply without DIRECT_ANSWER is not an answer."""
     triage_replies = iter(
         [
-            ChatResponse(tool_calls=(ToolCall(id="t1", name="echo_text", arguments={"text": "x"}),)),
+            ChatResponse(tool_calls=(ChatToolCall(id="t1", name="echo_text", arguments={"text": "x"}),)),
             ChatResponse(content="Let me look that up for you."),  # no marker at all
             ChatResponse(content=f"Maybe. {DIRECT_ANSWER} {NEED_TOOLS}"),
             ChatResponse(
-                content=f"4. {DIRECT_ANSWER}", tool_calls=(ToolCall(id="t2", name="show_time", arguments={}),)
+                content=f"4. {DIRECT_ANSWER}", tool_calls=(ChatToolCall(id="t2", name="show_time", arguments={}),)
             ),
         ]
     )
@@ -222,8 +222,8 @@ def test_unanswered_tool_calls_get_placeholder_results_when_stored_and_loaded(tm
         if request.channel == "triage":
             return ChatResponse(content=NEED_TOOLS)
         if request.channel == "fallback":  # tool calls where none can run
-            return ChatResponse(content="", tool_calls=(ToolCall(id="f1", name="echo_text", arguments={}),))
-        return ChatResponse(tool_calls=(ToolCall(id=f"c{_rounds(request)}", name="show_time", arguments={}),))
+            return ChatResponse(content="", tool_calls=(ChatToolCall(id="f1", name="echo_text", arguments={}),))
+        return ChatResponse(tool_calls=(ChatToolCall(id=f"c{_rounds(request)}", name="show_time", arguments={}),))
 
     agent, session, _, _ = make_agent(tmp_path, main, round_limit=1, extended_round_limit=2)
     answer = agent.ask(session, "impossible")
@@ -240,7 +240,7 @@ def test_unanswered_tool_calls_get_placeholder_results_when_stored_and_loaded(tm
     assert '"status":"error"' in placeholder["content"]
 
     # A session saved before this rule: the dangling call is answered on load, nothing else changes.
-    old = Session(view=session.view)
+    old = ChatSession(view=session.view)
     call = {"id": "x1", "type": "function", "function": {"name": "echo_text", "arguments": "{}"}}
     old.full = [
         {"role": "user", "content": "q"},
@@ -248,7 +248,7 @@ def test_unanswered_tool_calls_get_placeholder_results_when_stored_and_loaded(tm
         {"role": "user", "content": "next"},
     ]
     old.save(tmp_path / "old")
-    loaded = Session.load(tmp_path / "old", old.id)
+    loaded = ChatSession.load(tmp_path / "old", old.id)
     assert [m["role"] for m in loaded.full] == ["user", "assistant", "tool", "user"]
     assert loaded.full[1] == old.full[1]
     assert _unanswered(loaded.full) == set()
@@ -262,14 +262,14 @@ def test_a_model_failure_after_tools_ran_keeps_the_partial_turn(tmp_path):
         if request.channel == "triage":
             return ChatResponse(content=NEED_TOOLS)
         if replies_since_query(request.messages) == 0:
-            return ChatResponse(tool_calls=(ToolCall(id="w1", name="echo_text", arguments={"text": "written"}),))
+            return ChatResponse(tool_calls=(ChatToolCall(id="w1", name="echo_text", arguments={"text": "written"}),))
         raise ModelError("http://provider/chat/completions answered HTTP 503: overloaded")
 
     sessions = tmp_path / "sessions"
     agent, session, _, _ = make_agent(tmp_path, main, sessions_dir=sessions)
     with pytest.raises(ModelError, match="503"):
         agent.ask(session, "write it")
-    loaded = Session.load(sessions, session.id)
+    loaded = ChatSession.load(sessions, session.id)
     assert [m["role"] for m in loaded.full] == ["user", "assistant", "tool", "assistant"]
     assert "echo_text:written" in loaded.full[2]["content"]
     note = loaded.full[3]["content"]
@@ -304,8 +304,8 @@ def test_a_model_failure_before_any_tool_ran_stores_nothing(tmp_path):
 def test_router_never_runs_a_tool_whose_arguments_are_not_a_json_object(tmp_path):
     router_calls = iter(
         [
-            ToolCall(id="r1", name="city_weather", arguments={}, raw_arguments='{"text": "Paris", "x": tru'),
-            ToolCall(id="r2", name="city_weather", arguments={}, raw_arguments='"Paris"'),
+            ChatToolCall(id="r1", name="city_weather", arguments={}, raw_arguments='{"text": "Paris", "x": tru'),
+            ChatToolCall(id="r2", name="city_weather", arguments={}, raw_arguments='"Paris"'),
         ]
     )
     agent, _, _, _ = make_agent(

@@ -18,7 +18,7 @@ from cacherouter.chat import MAX_MESSAGE_CHARS, SCRIPTED_LABEL, build_chat, run_
 from cacherouter.errors import SessionError
 from cacherouter.gateway import Gateway, GatewayConfig
 from cacherouter.mainview import MainView
-from cacherouter.session import Session
+from cacherouter.session import ChatSession
 
 
 def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
@@ -172,7 +172,7 @@ def test_sessions_dir_that_is_a_file_is_refused_before_any_turn(tmp_path: Path) 
     assert "Traceback" not in proc.stderr
     assert "agent>" not in proc.stdout  # no turn ran, so none was lost
     with Gateway(GatewayConfig(root=root)) as gateway:
-        session = Session(view=MainView.from_registry(gateway.registry, ("base",)))
+        session = ChatSession(view=MainView.from_registry(gateway.registry, ("base",)))
     with pytest.raises(SessionError, match="cannot save session"):
         session.save(afile)
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict  # noqa: E402
 
 from cacherouter.gateway import Gateway, GatewayConfig  # noqa: E402
 from cacherouter.mcp_gateway import DETERMINISTIC_LABEL, ROUTE_META, RoutingMCPServer  # noqa: E402
-from cacherouter.models import ChatRequest, ChatResponse, ScriptedModel, ToolCall  # noqa: E402
+from cacherouter.models import ChatRequest, ChatResponse, ChatToolCall, ScriptedModel  # noqa: E402
 from cacherouter.prompts import ROUTER_TOOL  # noqa: E402
 
 
@@ -93,7 +93,7 @@ def test_with_a_router_model_the_router_picks_and_the_result_is_the_upstreams(tm
     def router(request: ChatRequest) -> ChatResponse:
         names = [d["function"]["name"] for d in json.loads(request.tools_json)]
         assert "fx__echo" in names
-        return ChatResponse(tool_calls=(ToolCall(id="r0", name="fx__echo", arguments={"text": "routed"}),))
+        return ChatResponse(tool_calls=(ChatToolCall(id="r0", name="fx__echo", arguments={"text": "routed"}),))
 
     with Gateway(GatewayConfig(root=None, upstreams=(config,))) as gateway:
         server = RoutingMCPServer(gateway, router_model=ScriptedModel(router))

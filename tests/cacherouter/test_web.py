@@ -25,7 +25,7 @@ from cacherouter.cachemodel import DeepSeekCacheModel
 from cacherouter.chat import MAX_MESSAGE_CHARS, SCRIPTED_LABEL, ChatSetup, build_chat
 from cacherouter.gateway import Gateway, GatewayConfig
 from cacherouter.mainview import MainView
-from cacherouter.models import ChatRequest, ChatResponse, ScriptedModel, SimulatedProvider, ToolCall
+from cacherouter.models import ChatRequest, ChatResponse, ChatToolCall, ScriptedModel, SimulatedProvider
 from cacherouter.prompts import NEED_TOOLS
 from cacherouter.router import Router
 from cacherouter.web import MAX_BODY_BYTES, WebChat, create_app
@@ -256,7 +256,7 @@ def test_an_unexpected_error_is_an_error_turn_not_a_500(tmp_path: Path, caplog: 
         if request.channel == "triage":
             return ChatResponse(content=NEED_TOOLS)
         if replies_since_query(request.messages) == 0:
-            return ChatResponse(tool_calls=(ToolCall(id="a", name="echo_text", arguments={"text": "ran"}),))
+            return ChatResponse(tool_calls=(ChatToolCall(id="a", name="echo_text", arguments={"text": "ran"}),))
         raise KeyError("choices")  # a bug or an answer nobody expected, not a CacheRouterError
 
     with (
@@ -285,7 +285,9 @@ def test_calls_pair_with_their_own_results_when_ids_repeat(tmp_path: Path) -> No
             return ChatResponse(content=NEED_TOOLS)
         done = replies_since_query(request.messages)
         if done < 2:
-            return ChatResponse(tool_calls=(ToolCall(id="call_0", name="echo_text", arguments={"text": f"r{done}"}),))
+            return ChatResponse(
+                tool_calls=(ChatToolCall(id="call_0", name="echo_text", arguments={"text": f"r{done}"}),)
+            )
         return ChatResponse(content="done")
 
     with scripted_web(tmp_path, main) as server, httpx.Client(base_url=server.url, timeout=30) as http:

@@ -21,9 +21,9 @@ from harbor_task import ENVIRONMENT, make_rootfs, make_task  # noqa: E402
 
 from tvcache import Cache  # noqa: E402
 from tvcache.integrations import harbor as adapter  # noqa: E402
-from tvcache.sandboxes import _linux  # noqa: E402
+from tvcache.sandboxes.shell import linux  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not _linux.overlay_supported(), reason="overlay shell sandboxes need root")
+pytestmark = pytest.mark.skipif(not linux.overlay_supported(), reason="overlay shell sandboxes need root")
 
 OVERLAY = "tvcache.integrations.harbor:OverlayEnvironment"
 CACHING = "tvcache.integrations.harbor:CachingEnvironment"

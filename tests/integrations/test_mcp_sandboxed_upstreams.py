@@ -36,10 +36,10 @@ from tvcache.graph import Node, ToolCallGraph  # noqa: E402
 from tvcache.integrations.mcp_proxy import STATS_URI, CachingProxy, ProxySettings  # noqa: E402
 from tvcache.integrations.mcp_sandbox import SandboxedUpstreams  # noqa: E402
 from tvcache.policies import CostModel, NeverSnapshot  # noqa: E402
-from tvcache.sandboxes import _linux  # noqa: E402
+from tvcache.sandboxes.shell import linux  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
-    not _linux.overlay_supported(), reason="sandboxed upstreams need overlay mounts (root on Linux >= 6.8)"
+    not linux.overlay_supported(), reason="sandboxed upstreams need overlay mounts (root on Linux >= 6.8)"
 )
 
 ROOT = Path(__file__).resolve().parents[2]

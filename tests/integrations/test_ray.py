@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 # Every Ray process of these tests on loopback: without this, Ray advertises the machine's interface address.
@@ -49,6 +50,15 @@ from tvcache.integrations.ray import (  # noqa: E402
 from tvcache.protocol import SandboxFactory  # noqa: E402
 from tvcache.sandboxes import FolderSandbox, SQLiteSandbox  # noqa: E402
 from tvcache.snapshots import pack, unpack  # noqa: E402
+
+
+def lookup(cache: RayCache, task_id: str, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """``POST /v1/lookup`` of ``history`` on the shard that holds ``task_id``, through the shard's transport."""
+    transport = cache.transports[cache.shard_name(task_id)]
+    with httpx.Client(base_url="http://shard", transport=transport) as client:
+        reply: dict[str, Any] = client.post("/v1/lookup", json={"task_id": task_id, "history": history}).json()
+    return reply
+
 
 # Ray workers cannot import this test module by name: ship its functions by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -173,7 +183,7 @@ def uncached(kind: str, source: str, calls: list[tuple[str, dict[str, Any]]]) ->
 def test_shards_are_named_actors_spread_and_journaled(deployment: Deployment) -> None:
     assert find_shards(deployment.namespace) == ["tvcache-shard-0", "tvcache-shard-1"]
     with RayCache(namespace=deployment.namespace) as cache:
-        infos = [shard.shard_info() for shard in cache.shards.values()]
+        infos = list(cache.shard_info().values())
         assert {info["name"] for info in infos} == {"tvcache-shard-0", "tvcache-shard-1"}
         assert {info["node_id"] for info in infos} <= {deployment.node_a, deployment.node_b}
         metrics = cache.metrics()
@@ -319,10 +329,9 @@ def test_killing_a_shard_under_load_loses_no_acknowledged_insert(deployment: Dep
     assert sum(len(queries) for _, queries, _ in acknowledged) == 8 * 60
     with RayCache(namespace=d.namespace) as cache:
         for task_id, queries, outputs in acknowledged:
-            shard = cache.shard(task_id)
             history = [{"name": "sql", "arguments": {"query": query}} for query in queries]
             for depth in range(1, len(history) + 1):
-                match = shard._request("POST", "/v1/lookup", {"task_id": task_id, "history": history[:depth]})
+                match = lookup(cache, task_id, history[:depth])
                 assert match["hit"], f"{task_id}: acknowledged insert {depth} was lost"
                 assert match["node"]["output"] == outputs[depth - 1]
 
@@ -397,6 +406,6 @@ def test_removing_a_node_under_load_loses_no_acknowledged_insert(deployment: Dep
     with RayCache(namespace=namespace) as cache:
         for task_id, queries, outputs in acknowledged:
             history = [{"name": "sql", "arguments": {"query": query}} for query in queries]
-            match = cache.shard(task_id)._request("POST", "/v1/lookup", {"task_id": task_id, "history": history})
+            match = lookup(cache, task_id, history)
             assert match["hit"], f"{task_id}: acknowledged inserts were lost with node B"
             assert match["node"]["output"] == outputs[-1]

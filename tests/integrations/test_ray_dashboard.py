@@ -9,6 +9,7 @@ the merged data, the shard table and a down shard's warning in headless Chromium
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import re
@@ -119,8 +120,8 @@ def shard_stats(namespace: str) -> dict[str, dict[str, Any]]:
 
 def shard_get(namespace: str, shard: str, path: str, **params: str) -> tuple[int, Any]:
     actor: Any = ray.get_actor(shard, namespace=namespace)
-    reply: tuple[int, Any] = ray.get(actor.request.remote("GET", path, None, params or None), timeout=30)
-    return reply
+    status, body = ray.get(actor.request.remote("GET", path, None, params or None), timeout=30)
+    return int(status), json.loads(body)  # the JSON body the server would send
 
 
 # ------------------------------------------------------------------ Prometheus text, parsed strictly
@@ -192,7 +193,7 @@ def test_the_task_lists_hold_every_task_with_the_shard_that_owns_it(deployment: 
     assert tasks["shards_down"] == []
     with RayCache(namespace=deployment.namespace) as cache:
         for task in tasks["tasks"]:
-            assert task["shard"] == cache.shard(task["task_id"]).name  # RayCache's router
+            assert task["shard"] == cache.shard_name(task["task_id"])  # RayCache's router
             assert task["node_id"] == ray.get_runtime_context().get_node_id()
             assert task["nodes"] > 0
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -38,9 +39,18 @@ from tvcache.integrations.ray import (  # noqa: E402
 )
 from tvcache.protocol import Sandbox, Snapshot  # noqa: E402
 from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory  # noqa: E402
-from tvcache.sandboxes._linux import overlay_supported  # noqa: E402
-from tvcache.sandboxes.layer_archive import LayerRef, pack_layer, unpack_layer  # noqa: E402
+from tvcache.sandboxes.shell.layer_archive import LayerRef, pack_layer, unpack_layer  # noqa: E402
+from tvcache.sandboxes.shell.linux import overlay_supported  # noqa: E402
 from tvcache.snapshots import PUBLISHED  # noqa: E402
+
+
+def lookup(cache: RayCache, task_id: str, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """``POST /v1/lookup`` of ``history`` on the shard that holds ``task_id``, through the shard's transport."""
+    transport = cache.transports[cache.shard_name(task_id)]
+    with httpx.Client(base_url="http://shard", transport=transport) as client:
+        reply: dict[str, Any] = client.post("/v1/lookup", json={"task_id": task_id, "history": history}).json()
+    return reply
+
 
 pytestmark = pytest.mark.skipif(not overlay_supported(), reason="overlay mounts need root on Linux >= 6.8")
 
@@ -450,7 +460,7 @@ def published_stack(namespace: str, task_id: str, calls: Calls) -> list[dict[str
     """The layers of the snapshot the shards hold after ``calls``."""
     history = [{"name": name, "arguments": arguments} for name, arguments in calls]
     with RayCache(namespace=namespace) as cache:
-        match = cache.shard(task_id)._request("POST", "/v1/lookup", {"task_id": task_id, "history": history})
+        match = lookup(cache, task_id, history)
     layers: list[dict[str, Any]] = match["node"]["snapshot"]["meta"][PUBLISHED]["layers"]
     return layers
 

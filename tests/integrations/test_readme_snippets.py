@@ -167,9 +167,9 @@ def test_harbor_snippet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     )
     from harbor_task import ENVIRONMENT, make_rootfs, make_task
 
-    from tvcache.sandboxes import _linux
+    from tvcache.sandboxes.shell import linux
 
-    if not _linux.overlay_supported():
+    if not linux.overlay_supported():
         pytest.skip("overlay shell sandboxes need root")
     code = harness_snippet("harbor").replace("/data/tvcache", str(tmp_path / "cache"))
     code = code.replace(

@@ -40,7 +40,7 @@ from swerex.runtime.abstract import (  # noqa: E402
 from tvcache import AlwaysSnapshot, Cache, CostAwareSnapshots, InvalidToolCall, NeverSnapshot  # noqa: E402
 from tvcache.integrations.swerex import CachingDeployment, ShellDeployment  # noqa: E402
 from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory  # noqa: E402
-from tvcache.sandboxes._linux import overlay_supported  # noqa: E402
+from tvcache.sandboxes.shell.linux import overlay_supported  # noqa: E402
 
 
 @pytest.fixture

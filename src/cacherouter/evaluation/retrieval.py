@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..registry import Registry, ToolSpec
+from ..registry import RegisteredTool, Registry
 from ..relevance import RANKERS, SCORERS, Ranker
 from ..router import RouterConfig, filter_candidates
 
@@ -178,7 +178,7 @@ def compare_relevance(
 def _score_one(
     query: LabelledQuery,
     ranker: Ranker,
-    tools: Sequence[ToolSpec],
+    tools: Sequence[RegisteredTool],
     *,
     config: RouterConfig,
     core_tools: frozenset[str],

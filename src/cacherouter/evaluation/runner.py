@@ -27,11 +27,11 @@ from ..canonical import canonical_json, render_tools
 from ..errors import CacheRouterError
 from ..gateway import Gateway, GatewayConfig
 from ..mainview import MainView
-from ..models import ChatModel, ChatRequest, ChatResponse, Message, ScriptedModel, SimulatedProvider, ToolCall
+from ..models import ChatModel, ChatRequest, ChatResponse, ChatToolCall, Message, ScriptedModel, SimulatedProvider
 from ..prompts import DIRECT_ANSWER, MAIN_SYSTEM, NEED_TOOLS, ROUTER_TOOL, UNCERTAIN
 from ..relevance import BM25
 from ..router import Router, RouterConfig
-from ..session import Session
+from ..session import ChatSession
 from ..tokens import Tokenizer, default_tokenizer
 from .longtail import LONGTAIL, generate_repository
 from .mcp_workload import INITIAL as MCP_INITIAL
@@ -78,9 +78,9 @@ class MainBrain:
         for i, action in enumerate(plan.rounds[done]):
             call_id = f"call_{plan.id}_{done}_{i}"
             if action.routed and self.via_router:
-                calls.append(ToolCall(id=call_id, name=ROUTER_TOOL, arguments={"task": action.task}))
+                calls.append(ChatToolCall(id=call_id, name=ROUTER_TOOL, arguments={"task": action.task}))
             else:
-                calls.append(ToolCall(id=call_id, name=action.tool, arguments=dict(action.arguments)))
+                calls.append(ChatToolCall(id=call_id, name=action.tool, arguments=dict(action.arguments)))
         return ChatResponse(tool_calls=tuple(calls))
 
 
@@ -96,7 +96,9 @@ class RouterBrain:
         names = {d["function"]["name"] for d in json.loads(request.tools_json or "[]")}
         if action is None or action.tool not in names:
             return ChatResponse(content="No listed tool can do this task.")
-        return ChatResponse(tool_calls=(ToolCall(id="route_0", name=action.tool, arguments=dict(action.arguments)),))
+        return ChatResponse(
+            tool_calls=(ChatToolCall(id="route_0", name=action.tool, arguments=dict(action.arguments)),)
+        )
 
 
 class _Polling:
@@ -259,7 +261,7 @@ def run_workload(
                 provider="deepseek",
             )
             view = MainView.from_registry(gateway().registry, CORE_PACKAGES)
-            session = Session(view=view)
+            session = ChatSession(view=view)
             for query in queries:
                 for event in query.events:
                     handle(event)

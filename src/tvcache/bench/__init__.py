@@ -15,7 +15,7 @@ from pathlib import Path
 def overlay_scratch(name: str) -> Iterator[Path]:
     """A scratch directory for a benchmark of overlay sandboxes (under ``$TVCACHE_BENCH_DIR`` if set), or exit
     saying why it cannot run here."""
-    from ..sandboxes._linux import overlay_supported
+    from ..sandboxes.shell.linux import overlay_supported
 
     if not overlay_supported():
         raise SystemExit(f"tvcache bench {name}: overlay mounts need root on Linux >= 6.8")

@@ -47,10 +47,9 @@ def _wait_for_server(master: int) -> None:
 
 def run(*, cycles: int = 20, json_path: str | None = None) -> dict[str, Any]:
     """Measure ``cycles`` dump/restore pairs; print a table and return the figures (JSON to ``json_path``)."""
-    from ..sandboxes import _linux
-    from ..sandboxes._zygote import Zygote
-    from ..sandboxes.criu import criu_unavailable_reason, discard_images, find_criu
-    from ..sandboxes.shell import _confinement
+    from ..sandboxes.shell import linux
+    from ..sandboxes.shell.criu import criu_unavailable_reason, discard_images, find_criu
+    from ..sandboxes.shell.sandbox import ShellSandboxFactory
 
     criu = find_criu(warn=False)
     if criu is None:
@@ -68,9 +67,10 @@ def run(*, cycles: int = 20, json_path: str | None = None) -> dict[str, Any]:
             upper, work = scratch / f"upper{index}", scratch / f"work{index}"
             upper.mkdir()
             work.mkdir()
-            return _linux.mount_overlay([str(base)], str(upper), str(work))
+            return linux.mount_overlay([str(base)], str(upper), str(work))
 
-        zygote = Zygote(_confinement(base, rootfs=False))
+        factory = ShellSandboxFactory(base, store_root=scratch / "layers")  # for its zygote, as shells get it
+        zygote = factory.zygote
         master, slave = os.openpty()
         tty.setraw(slave)
         mounts.append(overlay(0))
@@ -116,7 +116,7 @@ def run(*, cycles: int = 20, json_path: str | None = None) -> dict[str, Any]:
             original.wait(10)
             original.close()
             os.close(master)
-            zygote.close()
+            factory.close()
             for fd in mounts:
                 os.close(fd)
     figures: dict[str, Any] = {

@@ -26,6 +26,7 @@ from ..cache import Cache
 from ..calls import ToolCall, ToolSpec
 from ..graph import ToolCallGraph
 from ..protocol import Sandbox, Snapshot
+from ..store.local import LocalStore
 
 DEPTHS = (1, 2, 4, 8, 16, 32, 64)
 COMMANDS = ("cat src/main.py", "make -j2", "pytest -x tests/", "git diff", "sed -i s/a/b/ f.py", "ls -la")
@@ -83,7 +84,7 @@ class _NoSandbox:
     """Every call in the session benchmark hits, so no sandbox is ever started; this one refuses to."""
 
     kind = "bench"
-    tools = {"sh": ToolSpec(name="sh")}
+    tools = {"sh": ToolSpec(name="sh", deterministic=True)}  # every call hits: nothing to check
 
     async def start(self) -> Sandbox:
         raise AssertionError("a hit must not start a sandbox")
@@ -123,8 +124,9 @@ def run(*, nodes: int = 100_000, repeats: int = 2000, seed: int = 0, json_path: 
     print(f"graph: {node_count:,} nodes ({graph.stats()['read_nodes']:,} read-only) built in {build_seconds:.1f} s")
     print(f"memory: {bytes_per_node:,.0f} bytes per node besides results ({allocated / 2**20:,.1f} MiB in all)")
 
-    cache = Cache()
-    cache._graphs["bench"] = graph  # benchmark the populated graph through the public session path
+    store = LocalStore()
+    store.adopt(graph)  # benchmark the populated graph through the public session path
+    cache = Cache(store=store)
     rng = random.Random(seed + 1)
     rows: list[dict[str, Any]] = []
     header = f"{'depth':>5} | {'match p50':>10} {'p99':>8} | {'+keys p50':>10} {'p99':>8}"
@@ -156,7 +158,6 @@ def run(*, nodes: int = 100_000, repeats: int = 2000, seed: int = 0, json_path: 
             f" {row['match_with_keys']['p50_us']:>8.2f}us {row['match_with_keys']['p99_us']:>6.2f}us |"
             f" {row['session_hit']['p50_us']:>13.2f}us {row['session_hit']['p99_us']:>6.2f}us"
         )
-    cache._graphs.clear()
     cache.close()
     figures = {
         "nodes": node_count,

@@ -75,7 +75,7 @@ async def _once(scratch: Path, base: Path, step: ToolCall) -> dict[str, float]:
 def run(
     *, profiles: tuple[tuple[int, int], ...] = ((10, 0), (1000, 1), (2000, 32)), repeats: int = 5, json_path: str | None
 ) -> dict[str, Any]:
-    from ..sandboxes.layer_archive import require_gnu_tar
+    from ..sandboxes.shell.layer_archive import require_gnu_tar
 
     require_gnu_tar()
     columns = ("publish", "fork (fetch)", "fork (held)", "start + replay")

@@ -39,7 +39,7 @@ class RateResult(LoadFigures):
     rate: int
 
 
-def _keys(count: int, seed: int) -> list[tuple[str, list[str]]]:
+def bench_keys(count: int, seed: int) -> list[tuple[str, list[str]]]:
     rng = random.Random(seed)
     keys = [
         (f"task-{index % TASKS}", ["git clone repo", f"make -j{index // 256}", f"pytest -k case{index}"])
@@ -54,7 +54,7 @@ def _wire_request(task: str, history: list[str]) -> bytes:
     return f"GET /get?{query} HTTP/1.1\r\nHost: bench\r\n\r\n".encode()
 
 
-def _native_request(task: str, history: list[str]) -> bytes:
+def native_request(task: str, history: list[str]) -> bytes:
     body = json.dumps(
         {"task_id": task, "history": [{"name": WIRE_TOOL, "arguments": {"call": call}} for call in history]}
     ).encode()
@@ -134,7 +134,7 @@ def _sender(pools: list[Pool], requests: list[tuple[int, bytes]]) -> Callable[[i
     return send
 
 
-async def _populate(pools: list[Pool], shards: list[str], keys: list[tuple[str, list[str]]]) -> None:
+async def populate(pools: list[Pool], shards: list[str], keys: list[tuple[str, list[str]]]) -> None:
     semaphore = asyncio.Semaphore(64)
 
     async def put(task: str, history: list[str]) -> None:
@@ -152,7 +152,7 @@ async def _populate(pools: list[Pool], shards: list[str], keys: list[tuple[str, 
     await asyncio.gather(*(put(task, history) for task, history in keys))
 
 
-def _start(port: int) -> subprocess.Popen[bytes]:
+def start_server(port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "tvcache.cli", "serve", "--port", str(port)],
         stdout=subprocess.DEVNULL,
@@ -160,14 +160,14 @@ def _start(port: int) -> subprocess.Popen[bytes]:
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
 
 
-def _wait_healthy(port: int, process: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+def wait_healthy(port: int, process: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -186,12 +186,12 @@ def _wait_healthy(port: int, process: subprocess.Popen[bytes], timeout: float = 
 async def _bench(ports: list[int], rates: list[int], duration: float, keys: int, seed: int) -> list[RateResult]:
     shards = [f"shard-{port}" for port in ports]
     pools = [Pool(port) for port in ports]
-    population = _keys(keys, seed)
-    await _populate(pools, shards, population)
+    population = bench_keys(keys, seed)
+    await populate(pools, shards, population)
     for pool in pools:
         await pool.open(64)
     results: list[RateResult] = []
-    for route, build in (("GET /get", _wire_request), ("POST /v1/lookup", _native_request)):
+    for route, build in (("GET /get", _wire_request), ("POST /v1/lookup", native_request)):
         requests = [(shards.index(rendezvous(task, shards)), build(task, history)) for task, history in population]
         await offer(_sender(pools, requests[:256]), 128, 256)  # warm up connections and code paths
         for rate in rates:
@@ -214,11 +214,11 @@ async def _bench(ports: list[int], rates: list[int], duration: float, keys: int,
 def run(
     *, rates: list[int], duration: float, keys: int, shards: int = 1, seed: int = 0, json_path: str | None = None
 ) -> int:
-    ports = [_free_port() for _ in range(shards)]
-    processes = [_start(port) for port in ports]
+    ports = [free_port() for _ in range(shards)]
+    processes = [start_server(port) for port in ports]
     try:
         for port, process in zip(ports, processes, strict=True):
-            _wait_healthy(port, process)
+            wait_healthy(port, process)
         print(
             f"tvcache bench server: {shards} server process(es), {keys} keys over {TASKS} tasks, "
             f"{duration:g} s per rate, open loop, latency from each request's due time",

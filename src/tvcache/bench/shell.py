@@ -7,8 +7,9 @@ Measured side by side in one run (root; overlay mounts):
   pty) and a ``FolderSandbox`` (a plain ``bash -c`` in a folder), calls interleaved, back to back and with think
   time between calls (as between an agent's tool calls); p50/p95, the shell/folder and persistent/shell ratios;
 * ``persistent forks``: a persistent shell that ran a history (cd, variables, a function, an alias, files) is
-  snapshotted by the shell-state route; forking it (until its first command answers) next to replaying the same
-  history in a fresh persistent shell, and the snapshot itself; p50/p95 and the snapshot routes taken;
+  snapshotted by the shell-state route; forking it (until its first command answers) into a warm shell and into
+  a cold one (``warm``) next to replaying the same history in a fresh persistent shell, and the snapshot itself;
+  p50/p95 and the snapshot routes taken;
 * ``persistent CRIU forks``: the same history plus a background ``python3 -m http.server`` (started, then waited
   for until it answers), snapshotted by the CRIU route (where a working CRIU exists): fork next to replay, and
   the snapshot (dump, freeze, and the sandbox's own restore);
@@ -119,36 +120,51 @@ FORK_HISTORY = (
 )
 
 
-async def _persistent_forks(base: Path, scratch: Path, repeats: int, gap: float) -> dict[str, Any]:
-    """Fork of a shell-state snapshot next to a replay of the same history, each until ``true`` answers."""
-    from ..sandboxes import ShellSandboxFactory
+async def _settled(factory: Any, timeout: float = 5.0) -> None:
+    """Until the factory's warm shells are all ready: a refill must not overlap the next measured operation."""
+    pool = factory.warm_pool()
+    if pool is not None:
+        await asyncio.to_thread(pool.wait_ready, None, timeout)
 
-    factory = ShellSandboxFactory(base, store_root=scratch / "layers-forks", persistent=True)
-    calls = [ToolCall("sh", {"cmd": command}) for command in FORK_HISTORY]
+
+async def _fork_rows(
+    factory: Any, calls: list[ToolCall], *, route: str, replay: str, repeats: int, gap: float, snaps: Path, cold: bool
+) -> dict[str, Any]:
+    """Snapshot a shell that ran ``calls`` (``repeats`` times), then fork the last snapshot next to replaying
+    ``calls`` in a fresh shell, each until ``true`` answers; with ``cold``, forks with the warm shells turned off
+    too. The factory is closed at the end."""
     probe = ToolCall("sh", {"cmd": "true"})
     origin = await factory.start()
     for call in calls:
         await origin.execute(call)
-    samples: dict[str, list[float]] = {"snapshot (shell state)": [], "fork (shell state)": [], "replay": []}
+    snapshot_name, fork_name, cold_name = f"snapshot ({route})", f"fork ({route})", f"fork ({route}, cold shell)"
+    samples: dict[str, list[float]] = {snapshot_name: [], fork_name: [], replay: []}
+    if cold:
+        samples[cold_name] = []
     snapshots = []
     for index in range(repeats):
         began = time.perf_counter()
-        snapshots.append(await origin.snapshot(scratch / "persistent-snaps" / f"s{index}"))
-        samples["snapshot (shell state)"].append(time.perf_counter() - began)
+        snapshots.append(await origin.snapshot(snaps / f"s{index}"))
+        samples[snapshot_name].append(time.perf_counter() - began)
         await origin.execute(probe)
     snapshot = snapshots[-1]
-    await asyncio.sleep(0.2)
     for _ in range(repeats):
-        for name in ("fork (shell state)", "replay"):
+        for name in [name for name in samples if name != snapshot_name]:
+            await _settled(factory)
             if gap:
                 await asyncio.sleep(gap)
+            warm_shells = factory.warm_shells
             began = time.perf_counter()
-            if name == "replay":
+            if name == replay:
                 sandbox = await factory.start()
                 for call in calls:
                     await sandbox.execute(call)
             else:
-                sandbox = await factory.fork(snapshot)
+                factory.warm_shells = 0 if name == cold_name else warm_shells
+                try:
+                    sandbox = await factory.fork(snapshot)
+                finally:
+                    factory.warm_shells = warm_shells
             await sandbox.execute(probe)
             samples[name].append(time.perf_counter() - began)
             await sandbox.stop()
@@ -156,12 +172,30 @@ async def _persistent_forks(base: Path, scratch: Path, repeats: int, gap: float)
     for each in snapshots:
         factory.discard(each)
     routes = factory.route_counts()
+    pool = factory.warm_pool()
+    warm_served = pool.served if pool is not None else 0
     factory.close()
     rows: dict[str, Any] = {name: _stats(values) for name, values in samples.items()}
-    rows["replay_over_fork_p50"] = rows["replay"]["p50_ms"] / rows["fork (shell state)"]["p50_ms"]
+    rows["replay_over_fork_p50"] = rows[replay]["p50_ms"] / rows[fork_name]["p50_ms"]
+    if cold:
+        rows["cold_over_warm_fork_p50"] = rows[cold_name]["p50_ms"] / rows[fork_name]["p50_ms"]
     rows["history_calls"] = len(calls)
     rows["routes"] = routes
+    rows["warm_shells_served"] = warm_served
+    rows["image_mb"] = int(snapshot.meta["shell"].get("image_bytes", 0)) / 1e6
     return rows
+
+
+async def _persistent_forks(base: Path, scratch: Path, repeats: int, gap: float) -> dict[str, Any]:
+    """Fork of a shell-state snapshot (a warm shell, and a cold one) next to a replay of the same history."""
+    from ..sandboxes import ShellSandboxFactory
+
+    factory = ShellSandboxFactory(base, store_root=scratch / "layers-forks", persistent=True)
+    calls = [ToolCall("sh", {"cmd": command}) for command in FORK_HISTORY]
+    snaps = scratch / "persistent-snaps"
+    return await _fork_rows(
+        factory, calls, route="shell state", replay="replay", repeats=repeats, gap=gap, snaps=snaps, cold=True
+    )
 
 
 SERVER_STEP = (
@@ -175,71 +209,30 @@ async def _criu_forks(base: Path, scratch: Path, repeats: int, gap: float) -> di
     """Fork of a CRIU snapshot (a shell with one background HTTP server) next to replaying the same history
     (which starts the server and waits until it answers), each until ``true`` answers."""
     from ..sandboxes import ShellSandboxFactory
-    from ..sandboxes.criu import criu_unavailable_reason, find_criu
+    from ..sandboxes.shell.criu import criu_unavailable_reason, find_criu
 
     if find_criu(warn=False) is None:
         return {"skipped": f"no working CRIU: {criu_unavailable_reason()} (make criu)"}
     factory = ShellSandboxFactory(base, store_root=scratch / "layers-criu", persistent=True)
     calls = [ToolCall("sh", {"cmd": command}) for command in (*FORK_HISTORY, SERVER_STEP)]
-    probe = ToolCall("sh", {"cmd": "true"})
-    origin = await factory.start()
-    for call in calls:
-        await origin.execute(call)
-    samples: dict[str, list[float]] = {"snapshot (CRIU)": [], "fork (CRIU)": [], "replay (server)": []}
-    snapshots = []
-    for index in range(repeats):
-        began = time.perf_counter()
-        snapshots.append(await origin.snapshot(scratch / "criu-snaps" / f"s{index}"))
-        samples["snapshot (CRIU)"].append(time.perf_counter() - began)
-        await origin.execute(probe)
-    snapshot = snapshots[-1]
-    for _ in range(repeats):
-        for name in ("fork (CRIU)", "replay (server)"):
-            if gap:
-                await asyncio.sleep(gap)
-            began = time.perf_counter()
-            if name == "replay (server)":
-                sandbox = await factory.start()
-                for call in calls:
-                    await sandbox.execute(call)
-            else:
-                sandbox = await factory.fork(snapshot)
-            await sandbox.execute(probe)
-            samples[name].append(time.perf_counter() - began)
-            await sandbox.stop()
-    await origin.stop()
-    for each in snapshots:
-        factory.discard(each)
-    routes = factory.route_counts()
-    factory.close()
-    rows: dict[str, Any] = {name: _stats(values) for name, values in samples.items()}
-    rows["replay_over_fork_p50"] = rows["replay (server)"]["p50_ms"] / rows["fork (CRIU)"]["p50_ms"]
-    rows["history_calls"] = len(calls)
-    rows["image_mb"] = snapshot.meta["shell"]["image_bytes"] / 1e6
-    rows["routes"] = routes
-    return rows
-
-
-def _print_criu_forks(rows: dict[str, Any]) -> None:
-    if "skipped" in rows:
-        print(f"\npersistent shell, CRIU route: skipped ({rows['skipped']})")
-        return
-    print(
-        f"\npersistent shell with one background HTTP server: fork of a CRIU snapshot "
-        f"({rows['image_mb']:.1f} MB image) vs replaying its {rows['history_calls']} calls"
+    snaps = scratch / "criu-snaps"
+    return await _fork_rows(
+        factory, calls, route="CRIU", replay="replay (server)", repeats=repeats, gap=gap, snaps=snaps, cold=False
     )
-    for name in ("snapshot (CRIU)", "fork (CRIU)", "replay (server)"):
-        row = rows[name]
-        print(f"  {name:<28} {row['p50_ms']:>7.2f} / {row['p95_ms']:>7.2f} ms (p50 / p95)")
-    print(f"  {'replay/fork':<28} {rows['replay_over_fork_p50']:>7.2f}x   routes: {rows['routes']}")
 
 
-def _print_forks(rows: dict[str, Any]) -> None:
-    print(f"\npersistent shell: fork of a shell-state snapshot vs replaying its {rows['history_calls']} calls")
-    for name in ("snapshot (shell state)", "fork (shell state)", "replay"):
-        row = rows[name]
-        print(f"  {name:<28} {row['p50_ms']:>7.2f} / {row['p95_ms']:>7.2f} ms (p50 / p95)")
-    print(f"  {'replay/fork':<28} {rows['replay_over_fork_p50']:>7.2f}x   routes: {rows['routes']}")
+def _print_fork_rows(title: str, rows: dict[str, Any]) -> None:
+    if "skipped" in rows:
+        print(f"\n{title}: skipped ({rows['skipped']})")
+        return
+    print(f"\n{title} vs replaying its {rows['history_calls']} calls")
+    for name, row in rows.items():
+        if isinstance(row, dict) and "p50_ms" in row:
+            print(f"  {name:<32} {row['p50_ms']:>7.2f} / {row['p95_ms']:>7.2f} ms (p50 / p95)")
+    print(f"  {'replay/fork':<32} {rows['replay_over_fork_p50']:>7.2f}x   routes: {rows['routes']}")
+    if "cold_over_warm_fork_p50" in rows:
+        served = rows["warm_shells_served"]
+        print(f"  {'cold/warm fork':<32} {rows['cold_over_warm_fork_p50']:>7.2f}x   warm shells served: {served}")
 
 
 # ---------------------------------------------------------------------------------------- breakdown
@@ -250,7 +243,7 @@ def _in_child(
 ) -> tuple[dict[str, float], float]:
     """Fork; the child (or, with ``new_pid_namespace``, its child: PID 1 of a new PID namespace) runs ``work``
     and sends back its timings. Returns them and the parent's time from fork to reaping."""
-    from ..sandboxes import _linux
+    from ..sandboxes.shell import linux
 
     read_end, write_end = os.pipe()
     began = time.perf_counter()
@@ -258,7 +251,7 @@ def _in_child(
     if pid == 0:  # pragma: no cover - runs in the child
         try:
             if new_pid_namespace:
-                _linux.unshare(_linux.CLONE_NEWPID)
+                linux.unshare(linux.CLONE_NEWPID)
                 inner = os.fork()
                 if inner:
                     os.waitpid(inner, 0)
@@ -303,19 +296,19 @@ def _process_creation(repeats: int) -> dict[str, Any]:
 
 def _namespaces(repeats: int) -> dict[str, Any]:
     """unshare(flag) in a forked child, timed inside; teardown = parent's total - plain fork - unshare."""
-    from ..sandboxes import _linux
+    from ..sandboxes.shell import linux
 
     flags = {
-        "mount": _linux.CLONE_NEWNS,
-        "network": _linux.CLONE_NEWNET,
-        "ipc": _linux.CLONE_NEWIPC,
-        "uts": _linux.CLONE_NEWUTS,
-        "pid": _linux.CLONE_NEWPID,  # created here; its first process comes with the confinement steps
+        "mount": linux.CLONE_NEWNS,
+        "network": linux.CLONE_NEWNET,
+        "ipc": linux.CLONE_NEWIPC,
+        "uts": linux.CLONE_NEWUTS,
+        "pid": linux.CLONE_NEWPID,  # created here; its first process comes with the confinement steps
     }
 
     def unshare(flag: int) -> dict[str, float]:
         began = time.perf_counter()
-        _linux.unshare(flag)
+        linux.unshare(flag)
         return {"unshare": time.perf_counter() - began}
 
     plain: list[float] = []
@@ -337,7 +330,7 @@ def _namespaces(repeats: int) -> dict[str, Any]:
 
 
 def _confinement_steps(confinement: dict[str, Any], mount_fd: int, repeats: int) -> dict[str, Any]:
-    from ..sandboxes._zygote_process import Confiner
+    from ..sandboxes.shell.zygote_process import Confiner
 
     def steps() -> dict[str, float]:
         confiner = Confiner(**confinement)
@@ -357,7 +350,7 @@ def _confinement_steps(confinement: dict[str, Any], mount_fd: int, repeats: int)
 
 
 def _digests(upper: Path, repeats: int) -> dict[str, Any]:
-    from ..sandboxes.layers import upper_digest
+    from ..sandboxes.shell.layers import upper_digest
 
     rows = {"empty upper": _stats([_timed(lambda: upper_digest(upper)) for _ in range(repeats)])}
     for index in range(1000):
@@ -368,8 +361,9 @@ def _digests(upper: Path, repeats: int) -> dict[str, Any]:
 
 def _paths(base: Path, scratch: Path, repeats: int, gap: float) -> dict[str, Any]:
     """The confined start of ``bash -c true``, before (per-command fork of this process) and now (zygote)."""
-    from ..sandboxes import ShellSandboxFactory, _linux
-    from ..sandboxes._zygote_process import Confiner
+    from ..sandboxes import ShellSandboxFactory
+    from ..sandboxes.shell import linux
+    from ..sandboxes.shell.zygote_process import Confiner
 
     factory = ShellSandboxFactory(base, store_root=scratch / "layers-paths")
     sandbox = asyncio.run(factory.start())
@@ -380,7 +374,7 @@ def _paths(base: Path, scratch: Path, repeats: int, gap: float) -> dict[str, Any
     argv = [factory.bash, "-c", "true"]
 
     def before_preexec() -> None:
-        _linux.unshare(_linux.CLONE_NEWPID)
+        linux.unshare(linux.CLONE_NEWPID)
         confiner = Confiner(**confinement)
         confiner.prepare()
         confiner.enter(mount_fd)
@@ -477,10 +471,13 @@ def run(
             _print_latency(gap_ms, rows)
         forks = asyncio.run(_persistent_forks(base, scratch, max(3, repeats // 4), gaps_ms[-1] / 1000))
         figures["persistent forks"] = forks
-        _print_forks(forks)
+        _print_fork_rows("persistent shell: fork of a shell-state snapshot", forks)
         criu_forks = asyncio.run(_criu_forks(base, scratch, max(3, repeats // 10), gaps_ms[-1] / 1000))
         figures["persistent CRIU forks"] = criu_forks
-        _print_criu_forks(criu_forks)
+        mb = criu_forks.get("image_mb", 0.0)
+        _print_fork_rows(
+            f"persistent shell with a background HTTP server: fork of a CRIU snapshot ({mb:.1f} MB)", criu_forks
+        )
         if breakdown:
             figures["paths"] = {f"gap_{gap:g}ms": _paths(base, scratch, repeats, gap / 1000) for gap in gaps_ms}
             print("\nconfined start of `bash -c true`, before and now (p50 / p95 ms)")

@@ -44,8 +44,13 @@ class ShardRouter(Generic[ShardT]):
         for cache in self.shards.values():
             cache.epoch = epoch
 
+    def shard_name(self, task_id: str) -> str:
+        """The name of the shard that holds ``task_id``."""
+        return rendezvous(task_id, list(self.shards))
+
     def shard(self, task_id: str) -> ShardT:
-        return self.shards[rendezvous(task_id, list(self.shards))]
+        """The client of the shard that holds ``task_id``."""
+        return self.shards[self.shard_name(task_id)]
 
     def session(self, task_id: str, *, sandbox: SandboxFactory) -> Session:
         return self.shard(task_id).session(task_id, sandbox=sandbox)

@@ -17,8 +17,13 @@ One module per framework, each behind its own optional extra and imported lazily
 
 Each adapter takes one ``cache`` setting (``tvcache.integrations.open_cache``): None or a directory for an embedded
 cache, a URL for ``tvcache serve``, a list of URLs for sharded servers.
+
+What the adapters share: ``cache_location`` (that setting and ``open_cache``), ``external_sandboxes`` (sandboxes
+over state tvcache cannot snapshot), ``background_loop`` (a loop for synchronous frameworks) and
+``optional_imports`` (``require``: imports that name the extra to install).
 """
 
-from ._common import CacheLike, CacheLocation, ExternalSandboxFactory, open_cache
+from .cache_location import CacheLike, CacheLocation, open_cache
+from .external_sandboxes import ExternalSandboxFactory
 
 __all__ = ["CacheLike", "CacheLocation", "ExternalSandboxFactory", "open_cache"]

@@ -24,7 +24,8 @@ from ..calls import ToolCall, ToolSpec
 from ..errors import SandboxError
 from ..protocol import Outcome
 from ..session import Session
-from ._common import CacheLike, CacheLocation, NoSnapshots, open_cache
+from .cache_location import CacheLike, CacheLocation, open_cache
+from .external_sandboxes import NoSnapshots
 
 __all__ = [
     "PASS_THROUGH",

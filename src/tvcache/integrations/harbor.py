@@ -55,8 +55,10 @@ from ..calls import ToolCall, ToolSpec
 from ..errors import InvalidToolCall, SandboxError
 from ..protocol import Outcome
 from ..sandboxes import ShellSandbox
-from ._common import CacheLocation, ExternalSandboxFactory, require
 from ._harness import PASS_THROUGH_TOOLS, HarnessSandbox, PassThroughs, raise_recorded, recorded_exception, shared_cache
+from .cache_location import CacheLocation
+from .external_sandboxes import ExternalSandboxFactory
+from .optional_imports import require
 
 _base = require("harbor.environments.base", "harbor")
 _capabilities = require("harbor.environments.capabilities", "harbor")

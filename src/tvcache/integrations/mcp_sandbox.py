@@ -32,7 +32,7 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import mcp.types as types
@@ -42,12 +42,10 @@ from mcp.shared.message import SessionMessage
 from ..calls import ToolCall, ToolSpec
 from ..errors import SandboxError
 from ..protocol import Outcome, Snapshot
-from ..sandboxes import _linux
-from ..sandboxes._zygote import Spawned
-from ..sandboxes.shell import PRIVATE_DIRS, ShellSandbox, ShellSandboxFactory
-
-if TYPE_CHECKING:
-    from .mcp_proxy import ProxySettings, UpstreamSandbox
+from ..sandboxes.shell import linux
+from ..sandboxes.shell.sandbox import PRIVATE_DIRS, ShellSandbox, ShellSandboxFactory
+from ..sandboxes.shell.zygote import Spawned
+from .mcp_upstream import ProxySettings, UpstreamSandbox
 
 __all__ = ["SANDBOXED_KIND", "SandboxedUpstream", "SandboxedUpstreams"]
 
@@ -89,7 +87,7 @@ class SandboxedUpstreams:
         hidden = [path for path in PRIVATE_DIRS if data == Path(path)]
         if hidden:
             raise SandboxError(f"--sandbox-dir cannot be {data} itself: the sandbox replaces it with an empty tmpfs")
-        if not _linux.overlay_supported():
+        if not linux.overlay_supported():
             raise SandboxError(
                 "--sandbox-dir runs the upstream on an overlay of its data directory, and overlay mounts are not "
                 "permitted here (run as root on Linux >= 6.8). Without them, run the proxy without --sandbox-dir "
@@ -227,8 +225,6 @@ class SandboxedUpstream:
         return self
 
     async def _launch(self) -> None:
-        from .mcp_proxy import UpstreamSandbox
-
         upstreams = self._upstreams
         # The overlay's mount: the upstream attaches a clone of it at the data directory's own path. Not public
         # on ShellSandbox (its commands are one-shot); the mount is replaced only by snapshot and stop, which

@@ -40,8 +40,11 @@ from typing import Any
 from ..calls import ToolCall, ToolSpec
 from ..errors import InvalidToolCall
 from ..protocol import Outcome
-from ._common import CacheLocation, ExternalSandboxFactory, require, shared_loop
 from ._harness import PASS_THROUGH_TOOLS, HarnessSandbox, PassThroughs, shared_cache
+from .background_loop import shared_loop
+from .cache_location import CacheLocation
+from .external_sandboxes import ExternalSandboxFactory
+from .optional_imports import require
 
 __all__ = ["CachingEnvironment", "execute_spec"]
 

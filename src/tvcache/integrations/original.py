@@ -41,7 +41,8 @@ from ..calls import ToolCall, ToolSpec, canonical_json
 from ..errors import InvalidInput, SandboxError
 from ..protocol import Outcome, Snapshot
 from ..session import Session
-from ._common import CacheLocation, open_cache, shared_loop
+from .background_loop import shared_loop
+from .cache_location import CacheLocation, open_cache
 
 __all__ = ["ToolCallEnvExecutor", "ToolCallEnvFactory", "ToolCallEnvSandbox"]
 

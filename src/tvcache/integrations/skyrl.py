@@ -32,7 +32,10 @@ from ..calls import ToolCall, ToolSpec
 from ..errors import InvalidInput, SandboxError, TVCacheError
 from ..protocol import Outcome
 from ..session import Session
-from ._common import CacheLike, CacheLocation, ExternalSandboxFactory, NoSnapshots, open_cache, require, shared_loop
+from .background_loop import shared_loop
+from .cache_location import CacheLike, CacheLocation, open_cache
+from .external_sandboxes import ExternalSandboxFactory, NoSnapshots
+from .optional_imports import require
 
 __all__ = ["TEXT2SQL", "CachedTools", "ToolBinding", "ToolException", "cache_env", "register_cached_env", "task_key"]
 

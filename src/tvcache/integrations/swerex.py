@@ -36,7 +36,7 @@ divergent rollout forks the snapshot nearest its divergence instead of replaying
     shell = ShellSandbox.factory(checkout, persistent=True)     # one per process; its layers hold the snapshots
     deployment = CachingDeployment(shell, cache="/data/tvcache", task_id=instance)
 
-How requests map onto the shell, and what differs from SWE-ReX's ``LocalRuntime``: ``_swerex_shell``.
+How requests map onto the shell, and what differs from SWE-ReX's ``LocalRuntime``: ``_swerex_shell_sandbox``.
 ``ShellDeployment(shell)`` is the same runtime uncached.
 """
 
@@ -54,10 +54,13 @@ from typing import Any
 from ..calls import ToolCall, ToolSpec
 from ..errors import InvalidToolCall
 from ..protocol import Outcome
-from ..sandboxes.shell import ShellSandboxFactory
-from ._common import CacheLocation, ExternalSandboxFactory, require
+from ..sandboxes.shell.sandbox import ShellSandboxFactory
 from ._harness import PASS_THROUGH_TOOLS, HarnessSandbox, PassThroughs, raise_recorded, recorded_exception, shared_cache
-from ._swerex_shell import ShellDeployment, ShellRuntime, keep_upload, shell_tool_specs
+from ._swerex_shell_runtime import ShellDeployment, ShellRuntime
+from ._swerex_shell_sandbox import keep_upload, shell_tool_specs
+from .cache_location import CacheLocation
+from .external_sandboxes import ExternalSandboxFactory
+from .optional_imports import require
 
 __all__ = ["CachingDeployment", "CachingRuntime", "ShellDeployment", "ShellRuntime", "shell_tool_specs", "tool_specs"]
 

@@ -38,7 +38,9 @@ from ..calls import ToolCall, ToolSpec
 from ..errors import SessionClosed
 from ..protocol import Outcome
 from ..session import Session
-from ._common import CacheLike, CacheLocation, ExternalSandboxFactory, NoSnapshots, open_cache, require
+from .cache_location import CacheLike, CacheLocation, open_cache
+from .external_sandboxes import ExternalSandboxFactory, NoSnapshots
+from .optional_imports import require
 
 __all__ = ["TOOLS", "CachedSandbox", "CachingSandboxFactory"]
 

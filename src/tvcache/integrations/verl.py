@@ -46,7 +46,9 @@ from ..calls import ToolCall, ToolSpec, canonical_json, stable_digest
 from ..errors import InvalidInput
 from ..protocol import Outcome
 from ..session import Session
-from ._common import CacheLike, CacheLocation, ExternalSandboxFactory, NoSnapshots, open_cache, require
+from .cache_location import CacheLike, CacheLocation, open_cache
+from .external_sandboxes import ExternalSandboxFactory, NoSnapshots
+from .optional_imports import require
 
 require("verl.tools.base_tool", "verl")
 

@@ -2,7 +2,7 @@
 interactive bash per container, typed into over a terminal as Terminus/tmux, SWE-ReX and OpenHands do.
 
 The shell is the container's own main process (PID 1), started by ``docker run -it`` with the docker CLI on a
-pty of ours, and driven by the overlay persistent shell's sentinel protocol (``_pty_shell.PtyShell``: one typed
+pty of ours, and driven by the overlay persistent shell's sentinel protocol (``shell.pty_shell.PtyShell``: one typed
 line per command, stdin at end of file, bounded output, a timeout interrupts the foreground job). Why PID 1 and
 not a ``docker exec -it`` session: a ``docker checkpoint`` restores a container's console but cannot re-attach an
 exec session, so only a shell on the console can be forked with its state; and as PID 1 the shell is what it is
@@ -42,31 +42,29 @@ import tty
 from typing import TYPE_CHECKING
 
 from ..calls import ToolCall
-from ..errors import InvalidToolCall, SandboxError, SnapshotDeclined
+from ..errors import SandboxError, SnapshotDeclined
 from ..protocol import Outcome, Snapshot
-from ._process import ShellResult, command_timeout, render_shell, run_in_worker, validated
-from ._pty_shell import (
+from .docker_container import ContainerHost, ContainerSandbox
+from .docker_engine import PERSISTENT_KIND, no_bash
+from .shell.process import run_in_worker
+from .shell.pty_shell import (
     BOOT_COMMAND,
     BOOT_HEAD,
     BOOT_TAIL,
     PROTOCOL,
     READY,
     WINDOW,
-    PtyResult,
+    OutputCollector,
     PtyShell,
-    _Collector,
-    _Dead,
+    ShellGone,
 )
-from .docker import PERSISTENT_KIND, DockerSandbox, _no_bash
+from .shell.session import NEW_SHELL_NOTE, PersistentShellCalls, persistent_command
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from .docker import DockerSandboxFactory
-
 __all__ = ["NEW_SHELL_NOTE", "PERSISTENT_KIND", "DockerShell", "PersistentDockerSandbox", "shell_environment"]
 
-NEW_SHELL_NOTE = "[a new shell was started: the previous one ended; its variables, functions and jobs are gone]"
 START_SECONDS = 60.0  # a container start under load; the shell itself is ready in ~0.3 s
 # Raw mode on the container's side too, set by the shell itself before it says it is ready (the host cannot
 # reach its terminal before that); an image without stty gets it from the host right after.
@@ -124,7 +122,7 @@ class DockerShell(PtyShell):
             raise
 
     def _start(self, restored: bool) -> None:
-        collected = _Collector(4096)
+        collected = OutputCollector(4096)
         deadline = time.monotonic() + START_SECONDS
         try:
             if not restored and not self._read_until(READY, deadline, collected):
@@ -134,12 +132,12 @@ class DockerShell(PtyShell):
             self._attach_terminal(deadline)
             if not restored:
                 self.set_last_pid(FIRST_PID)
-        except _Dead:
-            with contextlib.suppress(_Dead):
+        except ShellGone:
+            with contextlib.suppress(ShellGone):
                 while self._cli.poll() is None or select.select([self._master], [], [], 0)[0]:
                     self._read_some(0.1)  # what the docker CLI said before it exited (a restore never read it)
             said = bytes(collected.kept + self._buffer).decode(errors="replace").strip()
-            hint = "; the image needs bash, which docker sandboxes run" if _no_bash(said) else ""
+            hint = "; the image needs bash, which docker sandboxes run" if no_bash(said) else ""
             raise SandboxError(
                 f"docker sandbox {self.name}: the shell ended while starting (docker exit {self._cli.wait()}): "
                 f"{said[:500] or 'no message'}{hint}"
@@ -162,7 +160,7 @@ class DockerShell(PtyShell):
                 if terminal is not None:
                     break
             if self._cli.poll() is not None:
-                raise _Dead
+                raise ShellGone
             if time.monotonic() >= deadline:
                 raise SandboxError(
                     f"docker sandbox {self.name}: the shell's terminal could not be reached within {START_SECONDS:g} s "
@@ -270,33 +268,16 @@ class DockerShell(PtyShell):
                 os.close(fd)
 
 
-def _ended_note(code: int | None) -> str:
-    how = "" if code is None else (f" with code {code}" if code < 128 else f" (killed by signal {code - 128})")
-    return (
-        f"[the shell ended{how}; the next call starts a new shell in the same container files, "
-        "and nothing this sandbox does is cached from now on]"
-    )
-
-
-class PersistentDockerSandbox(DockerSandbox):
+class PersistentDockerSandbox(PersistentShellCalls, ContainerSandbox):
     """A container whose main process is one long-lived shell. Calls are serialised; blocking work in threads."""
 
-    def __init__(self, factory: DockerSandboxFactory, name: str, image: str, shell: DockerShell) -> None:
+    def __init__(self, factory: ContainerHost, name: str, image: str, shell: DockerShell) -> None:
         super().__init__(factory, name, image)
         self._shell: DockerShell | None = shell
         self._untrusted: str | None = None
 
-    @property
-    def trusted(self) -> bool:
-        """False once the shell ended: nothing this sandbox does is cached, and it is never snapshotted."""
-        return self._untrusted is None
-
     async def execute(self, call: ToolCall) -> Outcome:
-        _, arguments = validated(call, self._factory.tools)
-        timeout = command_timeout(arguments, self._factory.timeout)
-        command = arguments["cmd"]
-        if "\x00" in command:
-            raise InvalidToolCall("tool 'sh': a command cannot contain NUL characters (bash never sees them)")
+        command, timeout = persistent_command(call, self._factory.tools, self._factory.timeout)
         what = f"call {call.name}({command[:80]!r})"
         async with self._lock:
             self._require_usable(what)
@@ -304,28 +285,7 @@ class PersistentDockerSandbox(DockerSandbox):
             result, restarted, code = await run_in_worker(run, self._kill_shell)
         return self._render(result, restarted, code, timeout)
 
-    def _run_command(
-        self, command: str, timeout: float, what: str, abandon: threading.Event
-    ) -> tuple[PtyResult, bool, int | None]:
-        restarted = False
-        if self._shell is None or not self._shell.alive:
-            if self._shell is not None:
-                self._shell.close()
-            self._shell = None
-            self._untrusted = self._untrusted or "its shell ended"
-            self._shell = self._restart(what)
-            restarted = True
-        shell = self._shell
-        result = shell.run(command, timeout=timeout, limit=self._factory.max_output_bytes, abandon=abandon)
-        code = None
-        if result.died:
-            self._untrusted = "its shell ended"
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                shell._cli.wait(timeout=10)  # its terminal closed: it is exiting
-            code = shell.returncode
-        return result, restarted, code
-
-    def _restart(self, what: str) -> DockerShell:
+    def _new_shell(self, what: str) -> DockerShell:
         commands = self._factory.commands
         try:
             return DockerShell(commands.start_shell(self.name), name=self.name, docker=commands.docker)
@@ -333,31 +293,18 @@ class PersistentDockerSandbox(DockerSandbox):
             self._dead = f"its shell could not be started again ({error})"
             raise SandboxError(f"{self._where(what)}: {self._dead}") from error
 
-    def _render(self, result: PtyResult, restarted: bool, code: int | None, timeout: float) -> Outcome:
-        plain = ShellResult(
-            output=result.output,
-            total_bytes=result.total_bytes,
-            returncode=result.status or 0,
-            timed_out=result.timed_out,
-            escaped=False,
-        )
-        outcome = render_shell(plain, self._factory.max_output_bytes, timeout)
-        text = outcome.output
-        if result.died:
-            text += ("" if not text or text.endswith("\n") else "\n") + _ended_note(code)
-        if restarted:
-            text = NEW_SHELL_NOTE + "\n" + text
-        return Outcome(
-            output=text,
-            is_error=outcome.is_error or result.died,
-            changed_state=True,  # even `cat` moves $LINENO and $_ in a persistent shell
-            deterministic=outcome.deterministic and self._untrusted is None,
-        )
+    def _ended_code(self, shell: PtyShell) -> int | None:
+        assert isinstance(shell, DockerShell)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            shell._cli.wait(timeout=10)  # its terminal closed: it is exiting
+        return shell.returncode
 
-    def _kill_shell(self) -> None:
-        shell = self._shell
-        if shell is not None:
-            shell.kill()
+    def _ended_note(self, code: int | None) -> str:
+        how = "" if code is None else (f" with code {code}" if code < 128 else f" (killed by signal {code - 128})")
+        return (
+            f"[the shell ended{how}; the next call starts a new shell in the same container files, "
+            "and nothing this sandbox does is cached from now on]"
+        )
 
     async def snapshot(self, dest: Path) -> Snapshot:
         what = self._where("snapshot")
@@ -394,4 +341,4 @@ class PersistentDockerSandbox(DockerSandbox):
             if shell is not None:
                 await asyncio.shield(asyncio.to_thread(shell.close))
             with contextlib.suppress(SandboxError):
-                await asyncio.shield(asyncio.to_thread(self._factory._remove_container, self.name))
+                await asyncio.shield(asyncio.to_thread(self._factory.release_container, self.name))

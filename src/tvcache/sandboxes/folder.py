@@ -37,7 +37,8 @@ from typing import Any
 from ..calls import ToolCall, ToolSpec
 from ..errors import SandboxError
 from ..protocol import Outcome, Snapshot, remove_tree
-from ._process import (
+from .shell.layers import tree_bytes
+from .shell.process import (
     FIXED_PATH,
     command_timeout,
     finish_in_thread,
@@ -47,7 +48,6 @@ from ._process import (
     run_cancellable,
     validated,
 )
-from .layers import tree_bytes
 
 __all__ = ["SH_TOOL", "FolderSandbox", "FolderSandboxFactory", "FolderTool", "digest_folder"]
 

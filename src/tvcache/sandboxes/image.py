@@ -25,15 +25,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
 
 from ..errors import SandboxError
 from .docker import OWNER_LABEL, SANDBOX_LABEL, DockerCommands
 
-if TYPE_CHECKING:
-    from .shell import ShellSandboxFactory
-
-__all__ = ["ImageConfig", "default_cache_dir", "image_factory", "image_root", "inspect_image"]
+__all__ = [
+    "ImageConfig",
+    "ImageSetup",
+    "default_cache_dir",
+    "image_root",
+    "image_setup",
+    "inspect_image",
+]
 
 DOCKER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # what docker gives an image without
 
@@ -201,18 +204,28 @@ def _find_in(root: Path, program: str) -> str | None:
     return None
 
 
-def image_factory(
+@dataclass(frozen=True, kw_only=True)
+class ImageSetup:
+    """How shell sandboxes over an image run: the tree to use as base (``rootfs=True``), the commands'
+    environment, what runs before bash (``WORKDIR`` and ``USER``), and the image itself (for task ids)."""
+
+    root: Path
+    environment: dict[str, str]
+    command_prefix: tuple[str, ...]
+    config: ImageConfig
+
+
+def image_setup(
     reference: str,
     *,
     engine: str = "docker",
     cache_dir: str | os.PathLike[str] | None = None,
     environment: Mapping[str, str] | None = None,
-    **options: Any,
-) -> ShellSandboxFactory:
-    """Shell sandboxes (``rootfs=True``) over the image's filesystem, with its ENV, WORKDIR and USER; extra
-    ``environment`` entries override the image's. ``options`` go to ``ShellSandboxFactory``."""
-    from .shell import ShellSandboxFactory
-
+    persistent: bool = False,
+) -> ImageSetup:
+    """The image's filesystem, with its ENV, WORKDIR and USER; extra ``environment`` entries override the
+    image's. ``ShellSandbox.from_image`` builds the factory from it (this module knows no sandbox class,
+    so the shell sandboxes can depend on it)."""
     config = inspect_image(reference, engine=engine)
     root = image_root(config, engine=engine, cache_dir=cache_dir)
     if not (root / "bin" / "bash").exists() and not (root / "usr" / "bin" / "bash").exists():
@@ -227,12 +240,9 @@ def image_factory(
         if env_program is None:
             raise SandboxError(f"image {reference!r}: WORKDIR is applied with env --chdir, which the image lacks")
         prefix = [env_program, f"--chdir={config.workdir}", *prefix]
-    if prefix and options.get("persistent"):
+    if prefix and persistent:
         raise SandboxError(
             f"image {reference!r}: persistent shells do not apply an image's WORKDIR or USER yet; use one-shot "
             "shell sandboxes (persistent=False) or DockerSandbox"
         )
-    factory = ShellSandboxFactory(root, rootfs=True, environment=env, **options)
-    factory.command_prefix = tuple(prefix)
-    factory.image = config  # type: ignore[attr-defined]
-    return factory
+    return ImageSetup(root=root, environment=env, command_prefix=tuple(prefix), config=config)

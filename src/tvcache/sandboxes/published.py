@@ -15,7 +15,7 @@ stack) uses it as is. Anywhere else the blobs are fetched, checked against their
 or a missing blob is refused: the session starts fresh and replays) and kept for later forks: file and tree data
 in the node's ``NodeCache``, shell layers in this process's layer store (``LayerCache``, bounded by bytes).
 
-A shell stack publishes each layer as its own blob (``tvcache.sandboxes.layer_archive``), so a snapshot uploads
+A shell stack publishes each layer as its own blob (``tvcache.sandboxes.shell.layer_archive``), so a snapshot uploads
 only the layers its parent snapshots' publications have not, and a fork fetches only the layers its process
 does not hold yet, adopts them into its own layer store and mounts the stack from there.
 
@@ -42,10 +42,10 @@ from ..protocol import Sandbox, SandboxFactory, SandboxWrapper, Snapshot
 from ..snapshots.node_cache import NodeCache, check_format, pack
 from ..snapshots.publication import LAYERS, PUBLISHED, LayerRef, Publication, default_node_id, stack_digest
 from ..snapshots.stores import BlobStore, blob_digest, fetch_verified, new_publication_id
-from ._process import finish_in_thread
-from .layer_archive import LayerCache, pack_layer, require_gnu_tar
-from .layers import Layer
-from .shell import ShellSandboxFactory
+from .shell.layer_archive import LayerCache, pack_layer, require_gnu_tar
+from .shell.layers import Layer
+from .shell.process import finish_in_thread
+from .shell.sandbox import ShellSandboxFactory
 
 __all__ = ["PublishedSnapshots"]
 

@@ -2,9 +2,11 @@
 see docs/server.md), pydantic validation, bearer-token auth, request size limits, an OpenAPI document built from
 the same models that validate requests, Prometheus metrics and the reference TVCache routes.
 
-Errors are JSON ``{"error": {"type": ..., "message": ...}}``: 422 for a body or query that does not fit the
-schema (with pydantic's list of problems), 400 for a value the cache cannot accept, 404 for an unknown node,
-claim or lease, 401 for a missing or wrong token, 413/414 for an oversized body or query string.
+The native routes are the one table ``tvcache.api.routes.ROUTES`` (served through ``routes.Dispatcher``, which
+Ray's shard actors use too). Errors are JSON ``{"error": {"type": ..., "message": ...}}`` with the statuses of the
+one table ``tvcache.api.errors``: 422 for a body or query that does not fit the schema (with pydantic's list of
+problems), 400 for a value the cache cannot accept, 404 for an unknown node, claim or lease, 401 for a missing or
+wrong token, 409 for ids of another server instance, 413/414 for an oversized body or query string.
 """
 
 from __future__ import annotations
@@ -12,26 +14,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
-from ..errors import InvalidInput, TVCacheError
-from . import models as m
+from ..api import models as m
+from ..api.errors import (
+    BODY_TOO_LARGE,
+    INSTANCE_CHANGED,
+    INVALID_INPUT,
+    METHOD_NOT_ALLOWED,
+    NOT_FOUND,
+    QUERY_TOO_LARGE,
+    UNAUTHORIZED,
+    VALIDATION,
+    ErrorCode,
+)
+from ..api.routes import Route as ApiRoute
 from .dashboard import OPEN_PATHS, dashboard_routes
 from .metrics import Histogram, render
-from .service import CacheService, NotFound
+from .routes import Dispatcher, Refused, Reply, dumps, refusal, refused
+from .service import CacheService
 from .wire import WIRE_ROUTES, WireCompat, WireRoute, parse_query
 
 __all__ = ["Guard", "ServerSettings", "create_app"]
@@ -47,84 +60,35 @@ class ServerSettings:
     sweep_interval: float = 1.0
 
 
-class HTTPError(Exception):
-    def __init__(self, status: int, kind: str, message: str, detail: Any = None) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.message, self.detail = status, kind, message, detail
-
-
-def _dumps(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-
-
 def _json(value: Any, status: int = 200) -> Response:
-    return Response(_dumps(value), status_code=status, media_type="application/json")
+    return Response(dumps(value), status_code=status, media_type="application/json")
 
 
-def _model(value: BaseModel) -> Response:
-    return Response(value.model_dump_json(), media_type="application/json")
+def _reply(reply: Reply) -> Response:
+    return Response(reply.body, status_code=reply.status, media_type=reply.media_type)
 
 
-def _error(status: int, kind: str, message: str, detail: Any = None) -> Response:
-    body: dict[str, Any] = {"type": kind, "message": message}
-    if detail is not None:
-        body["detail"] = detail
-    return _json({"error": body}, status)
+def _refused(code: ErrorCode, message: str) -> Response:
+    return _reply(refused(code, message))
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise HTTPError(413, "too_large", f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        raise Refused(BODY_TOO_LARGE, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise HTTPError(413, "too_large", f"request body exceeds the limit of {limit} bytes")
+            raise Refused(BODY_TOO_LARGE, f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-def _validation_detail(error: ValidationError) -> list[dict[str, Any]]:
-    return [
-        {"loc": list(item["loc"]), "msg": item["msg"], "type": item["type"]}
-        for item in error.errors(include_url=False, include_context=False, include_input=False)
-    ]
-
-
-def _handle(call: Callable[[], Awaitable[Response]]) -> Callable[[], Awaitable[Response]]:
-    async def run() -> Response:
-        try:
-            return await call()
-        except HTTPError as error:
-            return _error(error.status, error.kind, error.message, error.detail)
-        except ValidationError as error:
-            details = _validation_detail(error)
-            first = details[0] if details else {"loc": [], "msg": "invalid"}
-            where = ".".join(str(part) for part in first["loc"]) or "body"
-            return _error(422, "validation", f"{where}: {first['msg']}", details)
-        except NotFound as error:
-            return _error(404, "not_found", str(error))
-        except InvalidInput as error:
-            return _error(400, "invalid_input", str(error))
-        except TVCacheError as error:
-            return _error(503, type(error).__name__, str(error))
-
-    return run
-
-
-@dataclass(frozen=True)
-class JsonRoute:
-    method: str
-    path: str
-    request: type[BaseModel] | None
-    response: type[BaseModel] | None
-    summary: str
-
-
 class Server:
-    """Routes bound to one service."""
+    """Routes bound to one service: the native table (``tvcache.api.routes``, served by a ``Dispatcher``), the
+    reference routes (``wire.WIRE_ROUTES``), the OpenAPI document and the dashboard."""
 
     def __init__(self, service: CacheService, settings: ServerSettings) -> None:
         self.service = service
@@ -132,122 +96,34 @@ class Server:
         self.wire = WireCompat(service)
         self.latency = Histogram()
         self.statuses: dict[str, int] = {}
+        own = {"stats": self.stats, "healthz": self.healthz, "metrics": self.metrics}
+        self.dispatcher = Dispatcher(service, latency=self.latency, handlers=own)
 
-    # -------------------------------------------------------------- native API
+    # -------------------------------------------------------------- the HTTP process's own handlers
 
-    def native_routes(self) -> list[tuple[JsonRoute, Callable[[Any], Any]]]:
-        s = self.service
-        table: list[tuple[str, type[BaseModel], type[BaseModel], str, Callable[[Any], Any]]] = [
-            ("/v1/lookup", m.LookupIn, m.LookupOut, "Match a history, or step from a state", s.lookup),
-            ("/v1/touch", m.TouchIn, m.OkOut, "Count hits served from a client's replica", s.touch),
-            ("/v1/claim", m.ClaimIn, m.ClaimOut, "Claim a missed call, or learn who executes it", s.claim),
-            ("/v1/claim/heartbeat", m.HeartbeatIn, m.ClaimOut, "Renew a claim's TTL", s.heartbeat),
-            ("/v1/claim/resolve", m.ResolveIn, m.OkOut, "Give up a claim (failed or uncacheable)", s.resolve),
-            ("/v1/claim/wait", m.WaitIn, m.WaitOut, "Long-poll for a claimed call's result", s.wait),
-            ("/v1/insert", m.InsertIn, m.InsertOut, "Record an executed call (durable on 2xx)", s.insert),
-            ("/v1/snapshots/attach", m.AttachIn, m.AttachOut, "Attach a client-owned snapshot", s.attach),
-            ("/v1/snapshots/lease", m.LeaseIn, m.LeaseOut, "Lease the nearest snapshot of a kind", s.lease),
-            ("/v1/snapshots/release", m.ReleaseIn, m.OkOut, "Release a snapshot lease", s.release),
-            ("/v1/snapshots/drop", m.DropIn, m.DropOut, "Forget a snapshot no client can fork", s.drop),
-            ("/v1/tests/get", m.TestGetIn, m.TestOut, "A cached test result of a state", s.test_get),
-            ("/v1/tests/put", m.TestPutIn, m.OkOut, "Store a test result of a state", s.test_put),
-            (
-                "/v1/tools/nondeterministic",
-                m.NondeterministicIn,
-                m.NondeterministicOut,
-                "Never serve a tool from cache again",
-                s.mark_nondeterministic,
-            ),
-            (
-                "/v1/tools/nondeterministic/clear",
-                m.ClearNondeterministicIn,
-                m.ClearedOut,
-                "Lift non-determinism marks (by tool and task; null: any)",
-                s.clear_nondeterministic,
-            ),
-        ]
-        return [
-            (JsonRoute("POST", path, request, response, summary), method)
-            for path, request, response, summary, method in table
-        ]
+    def stats(self) -> dict[str, Any]:
+        return self.service.stats() | self.wire.stats()
 
-    def json_endpoint(self, route: JsonRoute, method: Callable[[Any], Any]) -> Callable[[Request], Awaitable[Response]]:
-        model = route.request
-        assert model is not None
+    def healthz(self) -> dict[str, Any]:
+        return {"status": "ok", "version": __version__}
+
+    def metrics(self) -> str:
+        return render(self.stats(), self.latency, self.statuses)
+
+    # -------------------------------------------------------------- endpoints
+
+    def native_endpoint(self, route: ApiRoute) -> Callable[[Request], Awaitable[Response]]:
         limit = self.settings.max_body_bytes
-        timed = route.path == "/v1/lookup"
+        answer = self.dispatcher.answer
 
         async def endpoint(request: Request) -> Response:
-            async def run() -> Response:
-                body = model.model_validate_json(await _read_body(request, limit))
-                started = time.perf_counter()
-                result = method(body)
-                if asyncio.iscoroutine(result):
-                    result = await result
-                if timed:
-                    self.latency.observe(route.path, time.perf_counter() - started)
-                return _model(result)
-
-            return await _handle(run)()
+            try:
+                body = None if route.body is None else await _read_body(request, limit)
+            except Refused as error:
+                return _refused(error.code, error.message)
+            return _reply(await answer(route, body, request.query_params))
 
         return endpoint
-
-    async def get_stats(self, request: Request) -> Response:
-        return _json(self.service.stats() | self.wire.stats())
-
-    async def get_tasks(self, request: Request) -> Response:
-        return _model(self.service.tasks())
-
-    async def get_graph(self, request: Request) -> Response:
-        async def run() -> Response:
-            return _model(self.service.export(_query(request, "task_id")))
-
-        return await _handle(run)()
-
-    async def get_path(self, request: Request) -> Response:
-        async def run() -> Response:
-            node_id = _query(request, "node_id")
-            if not node_id.isdigit():
-                raise HTTPError(422, "validation", "node_id must be a non-negative integer")
-            return _model(self.service.path(_query(request, "task_id"), int(node_id)))
-
-        return await _handle(run)()
-
-    async def get_activity(self, request: Request) -> Response:
-        return _model(self.service.activity_report())
-
-    async def get_outline(self, request: Request) -> Response:
-        async def run() -> Response:
-            limit = request.query_params.get("limit", "2000")
-            if not limit.isdigit() or not 1 <= int(limit) <= 100_000:
-                raise HTTPError(422, "validation", "limit must be an integer from 1 to 100000")
-            return _model(self.service.outline(_query(request, "task_id"), int(limit)))
-
-        return await _handle(run)()
-
-    async def get_node(self, request: Request) -> Response:
-        async def run() -> Response:
-            node_id = _query(request, "node_id")
-            if not node_id.isdigit():
-                raise HTTPError(422, "validation", "node_id must be a non-negative integer")
-            return _model(self.service.node_detail(_query(request, "task_id"), int(node_id)))
-
-        return await _handle(run)()
-
-    async def get_nondeterministic(self, request: Request) -> Response:
-        return _model(self.service.nondeterministic())
-
-    async def healthz(self, request: Request) -> Response:
-        return _json({"status": "ok", "version": __version__})
-
-    async def metrics(self, request: Request) -> Response:
-        text = render(self.service.stats() | self.wire.stats(), self.latency, self.statuses)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-
-    async def openapi(self, request: Request) -> Response:
-        return _json(self.openapi_document())
-
-    # -------------------------------------------------------------- wire format
 
     def wire_endpoint(self, route: WireRoute) -> Callable[[Request], Awaitable[Response]]:
         """A reference route (``wire.WIRE_ROUTES``): the JSON body or the query string, and the ``X-Task-Name``
@@ -255,7 +131,7 @@ class Server:
         limit = self.settings.max_body_bytes
 
         async def endpoint(request: Request) -> Response:
-            async def run() -> Response:
+            try:
                 if route.body is not None:
                     given: Any = route.body.model_validate_json(await _read_body(request, limit))
                 else:
@@ -264,47 +140,35 @@ class Server:
                 result = route.call(self.wire, given, request.headers.get("x-task-name"))
                 if route.timed:
                     self.latency.observe(route.path, time.perf_counter() - started)
-                if isinstance(result, tuple):
-                    return _json(result[1], result[0])
-                return _json(result)
-
-            return await _handle(run)()
+            except Exception as error:
+                answer = refusal(error)
+                if answer is None:
+                    raise
+                return _reply(answer)
+            if isinstance(result, tuple):
+                return _json(result[1], result[0])
+            return _json(result)
 
         return endpoint
+
+    async def openapi(self, request: Request) -> Response:
+        return _json(self.openapi_document())
 
     # -------------------------------------------------------------- assembly
 
     def routes(self) -> list[Route]:
-        routes = [
-            Route(route.path, self.json_endpoint(route, method), methods=[route.method])
-            for route, method in self.native_routes()
-        ]
-        routes += [
-            Route("/v1/stats", self.get_stats, methods=["GET"]),
-            Route("/v1/tasks", self.get_tasks, methods=["GET"]),
-            Route("/v1/graph", self.get_graph, methods=["GET"]),
-            Route("/v1/path", self.get_path, methods=["GET"]),
-            Route("/v1/activity", self.get_activity, methods=["GET"]),
-            Route("/v1/graph/outline", self.get_outline, methods=["GET"]),
-            Route("/v1/node", self.get_node, methods=["GET"]),
-            Route("/v1/tools/nondeterministic", self.get_nondeterministic, methods=["GET"]),
-            Route("/healthz", self.healthz, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
+        return [
+            *(Route(r.path, self.native_endpoint(r), methods=[r.method]) for r in self.dispatcher.served()),
             Route("/openapi.json", self.openapi, methods=["GET"]),
             *(Route(route.path, self.wire_endpoint(route), methods=[route.method]) for route in WIRE_ROUTES),
             *dashboard_routes(),
         ]
-        return routes
 
     def openapi_document(self) -> dict[str, Any]:
-        native = self.native_routes()
-        models: list[type[BaseModel]] = [
-            *(m.ErrorOut, m.TasksOut, m.GraphOut, m.PathOut, m.NondeterministicOut),
-            *(m.ActivityOut, m.OutlineOut, m.NodeOut),
-        ]
-        for route, _ in native:
-            assert route.request is not None and route.response is not None
-            models += [route.request, route.response]
+        native = self.dispatcher.served()
+        models: list[type[BaseModel]] = [m.ErrorOut]
+        for route in native:
+            models += [model for model in (route.body, route.reply) if isinstance(model, type)]
         models += [route.body for route in WIRE_ROUTES if route.body is not None]
         unique = list(dict.fromkeys(models))
         _, schema = models_json_schema(
@@ -315,15 +179,13 @@ class Server:
         def ref(model: type[BaseModel]) -> dict[str, Any]:
             return {"$ref": f"#/components/schemas/{model.__name__}"}
 
+        documented = (INVALID_INPUT, UNAUTHORIZED, NOT_FOUND, BODY_TOO_LARGE, VALIDATION)
         errors = {
-            str(code): {"description": text, "content": {"application/json": {"schema": ref(m.ErrorOut)}}}
-            for code, text in (
-                (400, "a value the cache cannot accept"),
-                (401, "missing or wrong bearer token"),
-                (404, "unknown task, node, claim or lease"),
-                (413, "body too large"),
-                (422, "body does not fit the schema"),
-            )
+            str(code.status): {
+                "description": code.description,
+                "content": {"application/json": {"schema": ref(m.ErrorOut)}},
+            }
+            for code in documented
         }
 
         def operation(summary: str, response: dict[str, Any], request: dict[str, Any] | None = None,
@@ -346,33 +208,18 @@ class Server:
             return {"name": name, "in": "query", "required": required, "schema": schema, "explode": True}
 
         paths: dict[str, dict[str, Any]] = {}
-        for route, _ in native:
-            assert route.request is not None and route.response is not None
+        for route in native:
+            reply = route.reply
+            response = ref(reply) if isinstance(reply, type) else {"type": reply}
+            # task_id first, as clients read it (the table lists parameters in the order they are checked)
+            names = sorted((p for p in route.query), key=lambda p: p.name != "task_id")
+            parameters = [query(p.name, required=p.default is None) for p in names]
             paths.setdefault(route.path, {})[route.method.lower()] = operation(
-                route.summary, ref(route.response), ref(route.request)
+                route.summary,
+                response,
+                None if route.body is None else ref(route.body),
+                parameters=parameters,
             )
-        obj = {"type": "object"}
-        paths["/v1/stats"] = {"get": operation("Counters and sizes", obj)}
-        paths["/v1/tasks"] = {"get": operation("Tasks with their sizes", ref(m.TasksOut))}
-        paths["/v1/graph"] = {"get": operation("Export a task's graph", ref(m.GraphOut), parameters=[query("task_id")])}
-        paths["/v1/path"] = {
-            "get": operation("The nodes from the root to a node", ref(m.PathOut),
-                             parameters=[query("task_id"), query("node_id")])
-        }  # fmt: skip
-        paths["/v1/activity"] = {"get": operation("Hits, misses and time saved by task and epoch", ref(m.ActivityOut))}
-        paths["/v1/graph/outline"] = {
-            "get": operation("A task's graph without results, for drawing", ref(m.OutlineOut),
-                             parameters=[query("task_id"), query("limit", required=False)])
-        }  # fmt: skip
-        paths["/v1/node"] = {
-            "get": operation("One node with its call and result", ref(m.NodeOut),
-                             parameters=[query("task_id"), query("node_id")])
-        }  # fmt: skip
-        paths["/v1/tools/nondeterministic"]["get"] = operation(
-            "Tools never served from cache", ref(m.NondeterministicOut)
-        )
-        paths["/healthz"] = {"get": operation("Liveness (no auth)", obj)}
-        paths["/metrics"] = {"get": operation("Prometheus metrics", {"type": "string"})}
         wire = "Reference TVCache wire format (docs/wire-compat.md): "
         task_header = {
             "name": "X-Task-Name",
@@ -385,7 +232,7 @@ class Server:
             parameters = [query(q.name, required=q.required, repeated=q.repeated) for q in wire_route.query]
             paths.setdefault(wire_route.path, {})[wire_route.method.lower()] = operation(
                 wire + wire_route.summary,
-                obj,
+                {"type": "object"},
                 None if wire_route.body is None else ref(wire_route.body),
                 parameters=[*parameters, task_header],
             )
@@ -399,13 +246,6 @@ class Server:
             document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             document["security"] = [{"bearer": []}]
         return document
-
-
-def _query(request: Request, name: str) -> str:
-    value = request.query_params.get(name)
-    if not value:
-        raise HTTPError(422, "validation", f"query parameter {name!r} is required")
-    return value
 
 
 class Guard:
@@ -445,13 +285,13 @@ class Guard:
             return
         counted = send if self.statuses is None else _counting(send, self.statuses)
         if not self._authorized(scope):
-            response = _error(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer ...)")
+            response = _refused(UNAUTHORIZED, "missing or wrong bearer token (Authorization: Bearer ...)")
             response.headers["WWW-Authenticate"] = "Bearer"
             await response(scope, receive, counted)
             return
         if len(scope.get("query_string", b"")) > self.max_query_bytes:
             limit = self.max_query_bytes
-            await _error(414, "too_large", f"query string exceeds {limit} bytes")(scope, receive, counted)
+            await _refused(QUERY_TOO_LARGE, f"query string exceeds {limit} bytes")(scope, receive, counted)
             return
         await self.app(scope, receive, counted)
 
@@ -515,7 +355,7 @@ class InstanceCheck:
                 f"this server is instance {instance}, not {expected.decode(errors='replace')[:64]}: it restarted, "
                 "and the node ids the request names may be other states now; drop them and look the history up again"
             )
-            await _error(409, "instance_changed", message)(scope, receive, tagged)
+            await _refused(INSTANCE_CHANGED, message)(scope, receive, tagged)
             return
         await self.app(scope, receive, tagged)
 
@@ -541,10 +381,10 @@ def create_app(service: CacheService, settings: ServerSettings | None = None) ->
                 await task
 
     async def not_found(request: Request, exc: Exception) -> Response:
-        return _error(404, "not_found", f"no route {request.method} {request.url.path}")
+        return _refused(NOT_FOUND, f"no route {request.method} {request.url.path}")
 
     async def not_allowed(request: Request, exc: Exception) -> Response:
-        return _error(405, "method_not_allowed", f"{request.method} is not allowed on {request.url.path}")
+        return _refused(METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {request.url.path}")
 
     app = Starlette(routes=server.routes(), lifespan=lifespan, exception_handlers={404: not_found, 405: not_allowed})
     app.state.server = server

@@ -1,12 +1,12 @@
 """Running the server: one process on uvicorn (uvloop + httptools when installed), N shard processes, or a
-background thread for tests and embedding."""
+background thread for tests and embedding, or no server at all: ``InProcessTransport`` hands an httpx client's
+requests to the app in this process."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import ipaddress
-import json
 import os
 import signal
 import socket
@@ -18,15 +18,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Self
 
+import httpx
 import uvicorn
 from starlette.types import ASGIApp
 
+from ..api.errors import BAD_REQUEST, QUERY_TOO_LARGE, ErrorCode, error_body
 from ..errors import InvalidInput
 from ..policies import Budget
 from .app import ServerSettings, create_app
 from .service import CacheService
 
-__all__ = ["AppThread", "ServerThread", "is_loopback", "serve", "serve_shards"]
+__all__ = ["AppThread", "InProcessTransport", "ServerThread", "is_loopback", "serve", "serve_shards"]
 
 
 def is_loopback(host: str) -> bool:
@@ -50,10 +52,10 @@ def check_token(host: str, token: str | None) -> None:
 _HEAD_ROOM = 64 * 1024
 
 
-def _refusal(status: int, reason: str, kind: str, message: str, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+def _refusal(code: ErrorCode, reason: str, message: str, default_headers: list[tuple[bytes, bytes]]) -> bytes:
     """A complete HTTP/1.1 response with the API's JSON error body, for requests refused before they reach the app."""
-    body = json.dumps({"error": {"type": kind, "message": message}}, separators=(",", ":")).encode()
-    head = [b"HTTP/1.1 %d %s\r\n" % (status, reason.encode())]
+    body = error_body(code, message)
+    head = [b"HTTP/1.1 %d %s\r\n" % (code.status, reason.encode())]
     head += [name + b": " + value + b"\r\n" for name, value in default_headers]
     head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
     return b"".join(head) + body
@@ -83,7 +85,7 @@ def http_protocol(max_query_bytes: int, parser: str = "auto") -> type[asyncio.Pr
             def send_400_response(self, msg: str) -> None:
                 message = f"not a valid HTTP/1.1 request, or a request line and headers over {max_url} bytes"
                 headers = self.server_state.default_headers
-                self.transport.write(_refusal(400, "Bad Request", "bad_request", message, headers))
+                self.transport.write(_refusal(BAD_REQUEST, "Bad Request", message, headers))
                 self.transport.close()
 
         return H11
@@ -116,9 +118,9 @@ def http_protocol(max_query_bytes: int, parser: str = "auto") -> type[asyncio.Pr
             headers = self.server_state.default_headers
             if self.url_too_long:
                 message = f"query string exceeds {max_query_bytes} bytes"
-                response = _refusal(414, "URI Too Long", "too_large", message, headers)
+                response = _refusal(QUERY_TOO_LARGE, "URI Too Long", message, headers)
             else:
-                response = _refusal(400, "Bad Request", "bad_request", "not a valid HTTP/1.1 request", headers)
+                response = _refusal(BAD_REQUEST, "Bad Request", "not a valid HTTP/1.1 request", headers)
             self.transport.write(response)
             self.transport.close()
 
@@ -264,3 +266,52 @@ class ServerThread(AppThread):
 
 def default_token() -> str | None:
     return os.environ.get("TVCACHE_TOKEN") or None
+
+
+class InProcessTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
+    """An httpx transport, blocking and async, that serves requests with ``app`` in this process (no socket):
+    ``RemoteCache(url, transport=InProcessTransport(create_app(service)))`` runs the real app, middleware
+    included. The app runs on one event loop of its own (a daemon thread), whichever thread or loop sends the
+    request, so its claims and long-polls see one loop as under uvicorn; ``shutdown()`` stops it (clients closing
+    do not: one transport may serve several clients, blocking and async). The app's lifespan (the sweeper of
+    expired claims and leases) is not run: call ``service.sweep()``."""
+
+    def __init__(self, app: ASGIApp, *, client: tuple[str, int] = ("127.0.0.1", 123)) -> None:
+        self._asgi = httpx.ASGITransport(app=app, client=client)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tvcache-in-process", daemon=True)
+        self._thread.start()
+
+    async def _serve(self, request: httpx.Request) -> httpx.Response:
+        response = await self._asgi.handle_async_request(request)
+        content = await response.aread()
+        return httpx.Response(response.status_code, headers=response.headers, content=content, request=request)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request.read()
+        return asyncio.run_coroutine_threadsafe(self._serve(request), self._loop).result()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await request.aread()
+        future = asyncio.run_coroutine_threadsafe(self._serve(request), self._loop)
+        return await asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        """Stop the app's loop (idempotent); requests sent after it fail."""
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()

@@ -21,43 +21,48 @@ import secrets
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..cache import Cache
-from ..cache import _check_task_id as check_task_id
-from ..calls import ToolCall
-from ..errors import InvalidInput, TVCacheError
+from ..calls import ToolCall, canonical_json
+from ..errors import InvalidInput, InvalidToolCall, NotFound, ServerBusy
 from ..graph import Lease, Node, ToolCallGraph, snapshot_key
 from ..policies import Budget
 from ..protocol import Outcome, Snapshot
+from ..store.inflight import ClaimKey, Inflight
+from ..store.local import LocalStore, check_task_id
+from ..store.protocol import Attached
 from . import models as m
 from .activity import Activity, Tally
 
-__all__ = ["CacheService", "NotFound", "ServerBusy"]
+__all__ = ["WIRE_TOOL", "CacheService", "NotFound", "ServerBusy", "check_wire_insert", "decode_value"]
+
+# The reference wire format's calls (``tvcache.server.wire``): the native insert route refuses one that wire
+# readers could not serve, so the rule lives here, below both.
+WIRE_TOOL = "tvcache.wire"
 
 
-class NotFound(InvalidInput):
-    """A task, node, claim or lease the request names does not exist (HTTP 404)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClaimEnd:
+    """How a claim ended: ``done`` (with the node inserted, or None: not cacheable, waiters execute it
+    themselves), ``failed`` (the owner's error) or ``expired`` (its owner stopped renewing it)."""
 
-
-class ServerBusy(TVCacheError):
-    """The server holds as many claims or leases as it takes (HTTP 503): retry once some have ended."""
-
-
-ClaimKey = tuple[str, int, bytes]
+    status: str
+    node_id: int | None = None
+    error: str | None = None
 
 
 @dataclass(kw_only=True)
-class Claim:
+class HeldClaim:
+    """A claim a client owns, on top of the in-flight table's entry: an id, and a TTL it renews."""
+
     id: str
     key: ClaimKey
     expires: float
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    status: str = "pending"  # pending | done | failed | expired
-    node_id: int | None = None
-    error: str | None = None
+    ready: Future[ClaimEnd]
 
 
 @dataclass(kw_only=True)
@@ -67,6 +72,49 @@ class HeldLease:
     task_id: str
     expires: float
     tag: str | None = None  # the reference wire format's env id, for /unref
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _parse_value(text: str) -> Any:
+    """The JSON value ``text`` holds, or ValueError: not JSON, a non-finite number, or a value the cache could
+    not store itself (too deep, a huge integer, a lone surrogate) -- exactly what ``PUT /put`` accepts."""
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
+        canonical_json(value)
+    except (ValueError, RecursionError, InvalidToolCall) as error:
+        raise ValueError(str(error) or type(error).__name__) from None
+    return value
+
+
+def decode_value(text: str) -> Any:
+    """A wire node's value. Nodes written through ``PUT /put`` hold canonical JSON; a record that does not (one
+    written before ``/v1/insert`` checked it, or edited by hand) is served as its text, so one client's bad data
+    never breaks another client's reads."""
+    try:
+        return _parse_value(text)
+    except ValueError:
+        return text
+
+
+def check_wire_insert(name: str, arguments: dict[str, Any], output: str) -> None:
+    """Refuse a native ``/v1/insert`` of a ``tvcache.wire`` call that wire readers could not serve: the wire format
+    reads the call's string from ``arguments["call"]`` and decodes the output as a JSON value."""
+    if name != WIRE_TOOL:
+        return
+    if set(arguments) != {"call"} or not isinstance(arguments["call"], str):
+        raise InvalidInput(
+            f'a {WIRE_TOOL!r} call takes exactly one argument, "call", the reference client\'s call string'
+        )
+    try:
+        _parse_value(output)
+    except ValueError as error:
+        raise InvalidInput(
+            f"the output of a {WIRE_TOOL!r} call is the value the wire format serves, so it must be JSON text "
+            f"(encode a string as a JSON string); this one is not: {error}"
+        ) from None
 
 
 def to_call(call: m.CallIn) -> ToolCall:
@@ -111,10 +159,11 @@ class CacheService:
         max_held: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._evicted: list[Snapshot] = []
-        self.cache = Cache(
-            data_dir, budget=budget, fsync=fsync, discard=self._evicted.append, verify_snapshots=False, clock=clock
+        # Evicted records go back to the clients that own them (``Attached.evicted``): the server frees nothing.
+        self.store = LocalStore(
+            data_dir, budget=budget, fsync=fsync, discard=_handed_back, verify_snapshots=False, clock=clock
         )
+        self.cache = Cache(store=self.store)
         # Which server process the node ids in answers belong to. Random per start, even with a data directory: a
         # restarted server (in memory, or one whose journal lost records) hands out ids again for other states, so
         # clients drop what they hold of an earlier instance (HTTP header ``X-TVCache-Instance``, see app.py).
@@ -125,8 +174,9 @@ class CacheService:
         # grow the server's memory by asking for many.
         self.max_held = max_held
         self._clock = clock
-        self._claims: dict[ClaimKey, Claim] = {}
-        self._claims_by_id: dict[str, Claim] = {}
+        self._inflight: Inflight[ClaimEnd] = Inflight()
+        self._claims: dict[ClaimKey, HeldClaim] = {}
+        self._claims_by_id: dict[str, HeldClaim] = {}
         self.leases: dict[str, HeldLease] = {}
         # Run after each lease is released (expiry included): the wire format evicts what only a lease kept.
         self.release_hooks: list[Callable[[HeldLease], None]] = []
@@ -196,10 +246,9 @@ class CacheService:
             if graph is None:
                 return m.LookupOut(hit=False, node=None, state=0, matched=0, snapshot=None)
             read_only = set(body.read_only_tools)
-            with self.cache._lock:
-                match = graph.match(history, is_read_only=(lambda call: call.name in read_only) if read_only else None)
-                if match.node is not None:
-                    graph.touch(match.node)
+            match = self.store.match(
+                graph, history, is_read_only=(lambda call: call.name in read_only) if read_only else None
+            )
             if match.hit:
                 self.counters["lookup_hits"] += 1
             if match.hit and match.node is not None:
@@ -220,7 +269,7 @@ class CacheService:
                 raise NotFound(f"task {body.task_id!r} has no node {body.state}")
             return m.LookupOut(hit=False, node=None, state=0, matched=0, snapshot=None)
         state = self.state_node(graph, body.state)
-        node = self.cache._lookup(graph, state, call)
+        node = self.store.lookup(graph, state, call)
         if node is not None:
             self.counters["lookup_hits"] += 1
             self.activity.hit(body.task_id, body.epoch, seconds_saved=node.seconds)
@@ -235,24 +284,21 @@ class CacheService:
     def touch(self, body: m.TouchIn) -> m.OkOut:
         graph = self.existing_graph(body.task_id)
         if graph is not None:
-            with self.cache._lock:
-                for node_id in body.node_ids:
-                    node = graph.get(node_id)
-                    if node is not None:
-                        graph.touch(node)
-                        self.activity.hit(body.task_id, body.epoch, seconds_saved=node.seconds)
+            for node_id in body.node_ids:
+                node = graph.get(node_id)
+                if node is not None:
+                    self.store.touch(graph, node)
+                    self.activity.hit(body.task_id, body.epoch, seconds_saved=node.seconds)
         return m.OkOut(ok=True)
 
     def insert(self, body: m.InsertIn) -> m.InsertOut:
         call = to_call(body.call)
         if call.name == "tvcache.wire":  # wire readers serve this node: it must be what PUT /put would store
-            from .wire import check_wire_insert
-
             check_wire_insert(call.name, call.arguments, body.output)
         graph, parent = self.write_target(body.task_id, body.parent)
         existing = parent.step(call)
         outcome = Outcome(output=body.output, is_error=body.is_error)
-        node = self.cache._record(graph, parent, call, outcome, body.seconds, body.read_only)
+        node = self.store.record(graph, parent, call, outcome, seconds=body.seconds, read_only=body.read_only)
         self.counters["inserts" if existing is None else "inserts_existing"] += 1
         self.activity.miss(graph.task_id, body.epoch, seconds_executed=body.seconds)
         self._finish_claim((graph.task_id, parent.id, call.digest), node_id=node.id)
@@ -280,7 +326,7 @@ class CacheService:
             if body.state != 0:
                 raise NotFound(f"task {body.task_id!r} has no node {body.state}; look the history up again")
         else:
-            node = self.cache._lookup(graph, self.state_node(graph, body.state), call)
+            node = self.store.lookup(graph, self.state_node(graph, body.state), call)
             if node is not None:
                 return m.ClaimOut(status="hit", node=node_out(node))
         key = (body.task_id, body.state, call.digest)
@@ -289,13 +335,15 @@ class CacheService:
             return m.ClaimOut(status="wait", claim_id=None)
         self._make_room(self._claims, "claims")
         ttl = body.ttl or self.claim_ttl
-        claim = Claim(id=secrets.token_hex(12), key=key, expires=self._clock() + ttl)
+        entry = self._inflight.claim(key)
+        assert entry.owner  # no live claim on the key: nobody else holds it
+        claim = HeldClaim(id=secrets.token_hex(12), key=key, expires=self._clock() + ttl, ready=entry.ready)
         self._claims[key] = claim
         self._claims_by_id[claim.id] = claim
         self.counters["claims_owned"] += 1
         return m.ClaimOut(status="owner", claim_id=claim.id, ttl=ttl)
 
-    def _live_claim(self, key: ClaimKey) -> Claim | None:
+    def _live_claim(self, key: ClaimKey) -> HeldClaim | None:
         """The pending claim on ``key``, expiring it first if its owner stopped renewing it."""
         claim = self._claims.get(key)
         if claim is None:
@@ -306,9 +354,10 @@ class CacheService:
             return None
         return claim
 
-    def _end_claim(self, claim: Claim, status: str, *, node_id: int | None = None, error: str | None = None) -> None:
-        claim.status, claim.node_id, claim.error = status, node_id, error
-        claim.done.set()
+    def _end_claim(
+        self, claim: HeldClaim, status: str, *, node_id: int | None = None, error: str | None = None
+    ) -> None:
+        self._inflight.settle(claim.key, ClaimEnd(status=status, node_id=node_id, error=error), only=claim.ready)
         if self._claims.get(claim.key) is claim:
             del self._claims[claim.key]
         self._claims_by_id.pop(claim.id, None)
@@ -358,15 +407,17 @@ class CacheService:
             # Wake at the claim's expiry too, so a dead owner is noticed without a sweeper.
             until_expiry = max(0.0, claim.expires - self._clock()) + 0.001
             try:
-                await asyncio.wait_for(claim.done.wait(), timeout=min(remaining, until_expiry))
+                end = await asyncio.wait_for(
+                    asyncio.shield(asyncio.wrap_future(claim.ready)), timeout=min(remaining, until_expiry)
+                )
             except TimeoutError:
                 continue
-            if claim.status == "done":
-                if claim.node_id is None:
+            if end.status == "done":
+                if end.node_id is None:
                     return m.WaitOut(status="done", node=None)
                 continue  # the node is in the graph now: answered at the top of the loop
-            if claim.status == "failed":
-                return m.WaitOut(status="failed", error=claim.error)
+            if end.status == "failed":
+                return m.WaitOut(status="failed", error=end.error)
             return m.WaitOut(status="expired")
 
     # ------------------------------------------------------------------ snapshots
@@ -381,34 +432,31 @@ class CacheService:
             # The node holds this very storage already (a retried attach): handing the record back to be freed
             # would delete the snapshot the node still holds.
             return m.AttachOut(attached=False, evicted=[])
-        if any(key in self.cache.graph(task).snapshot_paths for task in self.cache.tasks()):
+        if any(key in other.snapshot_paths for other in self.store.graphs()):
             # A record is only a client's claim about a path, and evicted records go back to clients to free:
             # a second record of storage another node holds would let evicting it free that node's data.
             raise InvalidInput(
                 f"snapshot path {snapshot.path!r:.300} is attached to another node already; "
                 "each snapshot needs storage of its own"
             )
-        attached, evicted = self.attach_snapshot(graph, node, snapshot)
-        return m.AttachOut(attached=attached, evicted=[snapshot_out(old) for old in evicted])
+        result = self.attach_snapshot(graph, node, snapshot)
+        return m.AttachOut(attached=result.attached, evicted=[snapshot_out(old) for old in result.evicted])
 
-    def attach_snapshot(self, graph: ToolCallGraph, node: Node, snapshot: Snapshot) -> tuple[bool, list[Snapshot]]:
-        """Attach; returns whether it was attached and the snapshots whose owners must now free them (the new
-        one itself when the node already had a snapshot)."""
-        self._evicted.clear()
-        attached = self.cache._attach_snapshot(graph, node, snapshot)
-        evicted = list(self._evicted)
-        self._evicted.clear()
-        if attached:
+    def attach_snapshot(self, graph: ToolCallGraph, node: Node, snapshot: Snapshot) -> Attached:
+        """Attach, counted; ``evicted`` holds the snapshots whose owners must now free them (the new one itself
+        when the node already had a snapshot)."""
+        result = self.store.attach_snapshot(graph, node, snapshot)
+        if result.attached:
             self.counters["snapshots_attached"] += 1
-            self.counters["snapshots_evicted"] += len(evicted)
-        return attached, evicted
+            self.counters["snapshots_evicted"] += len(result.evicted)
+        return result
 
     def lease(self, body: m.LeaseIn) -> m.LeaseOut:
         graph = self.existing_graph(body.task_id)
         if graph is None:
             return m.LeaseOut(lease_id=None, node=None, ttl=None)
         state = self.state_node(graph, body.state)
-        lease = self.cache._lease_snapshot(state, body.kind, skip=frozenset(body.skip))
+        lease = self.store.lease_snapshot(state, body.kind, skip=frozenset(body.skip))
         if lease is None:
             return m.LeaseOut(lease_id=None, node=None, ttl=None)
         held = self.hold(lease, graph.task_id, ttl=body.ttl)
@@ -419,12 +467,9 @@ class CacheService:
         node = None if graph is None else graph.get(body.node_id)
         if graph is None or node is None or node.snapshot is None or node.snapshot.path != body.path:
             return m.DropOut(dropped=False, evicted=[])  # gone already, or the node has another snapshot now
-        self._evicted.clear()
-        self.cache._drop_snapshot(graph, node)
-        evicted = list(self._evicted)
-        self._evicted.clear()
-        self.counters["snapshots_evicted"] += len(evicted)
-        return m.DropOut(dropped=bool(evicted), evicted=[snapshot_out(old) for old in evicted])
+        dropped = self.store.drop_snapshot(graph, node)
+        self.counters["snapshots_evicted"] += len(dropped.evicted)
+        return m.DropOut(dropped=dropped.dropped, evicted=[snapshot_out(old) for old in dropped.evicted])
 
     def _make_room(self, held: Mapping[Any, Any], what: str) -> None:
         if len(held) >= self.max_held:
@@ -438,7 +483,7 @@ class CacheService:
         try:
             self._make_room(self.leases, "leases")
         except ServerBusy:
-            self.cache._release(lease)
+            self.store.release(lease)
             raise
         expires = self._clock() + (ttl or self.lease_ttl)
         held = HeldLease(id=secrets.token_hex(12), lease=lease, task_id=task_id, expires=expires, tag=tag)
@@ -453,7 +498,7 @@ class CacheService:
         held = self.leases.pop(lease_id, None)
         if held is None:
             return False
-        self.cache._release(held.lease)
+        self.store.release(held.lease)
         for hook in self.release_hooks:
             hook(held)
         return True
@@ -479,12 +524,12 @@ class CacheService:
         node = None if graph is None else graph.get(body.node_id)
         if graph is None or node is None:
             return m.TestOut(found=False)
-        found, value = self.cache._lookup_test(graph, node, body.key)
-        return m.TestOut(found=found, value=value)
+        found = self.store.lookup_test(graph, node, body.key)
+        return m.TestOut(found=found.found, value=found.value)
 
     def test_put(self, body: m.TestPutIn) -> m.OkOut:
         graph, node = self.write_target(body.task_id, body.node_id)
-        self.cache._record_test(graph, node, body.key, body.value)
+        self.store.record_test(graph, node, body.key, body.value)
         self.counters["tests_stored"] += 1
         return m.OkOut(ok=True)
 
@@ -498,7 +543,7 @@ class CacheService:
                 # (journaled) forever, for nothing
                 raise NotFound(f"task {body.task_id!r:.300} is not in the cache; mark tools in tasks it holds")
             else:
-                self.cache._mark_nondeterministic_in(body.task_id, body.tool, body.reason)
+                self.store.mark_nondeterministic(body.tool, body.reason, task_id=body.task_id)
         return self.nondeterministic()
 
     def clear_nondeterministic(self, body: m.ClearNondeterministicIn) -> m.ClearedOut:
@@ -604,6 +649,11 @@ class CacheService:
         for claim in list(self._claims.values()):
             self._end_claim(claim, "expired")
         self.cache.close()
+
+
+def _handed_back(snapshot: Snapshot) -> None:
+    """The server's free policy for evicted records: none. They belong to clients, to whom the answer to the
+    attach (or drop) that evicted them hands them back."""
 
 
 def _epoch_out(epoch: int | None, tally: Tally) -> m.EpochOut:

@@ -20,7 +20,6 @@ fixed here) are listed in docs/wire-compat.md.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -28,13 +27,13 @@ from typing import Annotated, Any
 from pydantic import Field
 from starlette.datastructures import QueryParams
 
-from ..cache import MAX_TASK_ID
 from ..calls import ToolCall, canonical_json
 from ..errors import InvalidInput, InvalidToolCall
 from ..graph import Node, ToolCallGraph
 from ..protocol import Outcome, Snapshot
+from ..store.local import MAX_TASK_ID
 from . import models as m
-from .service import CacheService, HeldLease, NotFound
+from .service import WIRE_TOOL, CacheService, HeldLease, NotFound, check_wire_insert, decode_value
 
 __all__ = [
     "ENV_KIND",
@@ -48,7 +47,6 @@ __all__ = [
     "wire_call",
 ]
 
-WIRE_TOOL = "tvcache.wire"
 ENV_KIND = "tvcache.wire-env"
 TEST_KEY = "tvcache.wire.test_result"
 STATELESS_KEY = "tvcache.wire.stateless"
@@ -121,49 +119,6 @@ def wire_key(node: Node) -> str:
         if isinstance(key, str):
             return key
     return call.canonical().decode()
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _parse_value(text: str) -> Any:
-    """The JSON value ``text`` holds, or ValueError: not JSON, a non-finite number, or a value the cache could
-    not store itself (too deep, a huge integer, a lone surrogate) -- exactly what ``PUT /put`` accepts."""
-    try:
-        value = json.loads(text, parse_constant=_refuse_constant)
-        canonical_json(value)
-    except (ValueError, RecursionError, InvalidToolCall) as error:
-        raise ValueError(str(error) or type(error).__name__) from None
-    return value
-
-
-def decode_value(text: str) -> Any:
-    """A wire node's value. Nodes written through ``PUT /put`` hold canonical JSON; a record that does not (one
-    written before ``/v1/insert`` checked it, or edited by hand) is served as its text, so one client's bad data
-    never breaks another client's reads."""
-    try:
-        return _parse_value(text)
-    except ValueError:
-        return text
-
-
-def check_wire_insert(name: str, arguments: dict[str, Any], output: str) -> None:
-    """Refuse a native ``/v1/insert`` of a ``tvcache.wire`` call that wire readers could not serve: the wire format
-    reads the call's string from ``arguments["call"]`` and decodes the output as a JSON value."""
-    if name != WIRE_TOOL:
-        return
-    if set(arguments) != {"call"} or not isinstance(arguments["call"], str):
-        raise InvalidInput(
-            f'a {WIRE_TOOL!r} call takes exactly one argument, "call", the reference client\'s call string'
-        )
-    try:
-        _parse_value(output)
-    except ValueError as error:
-        raise InvalidInput(
-            f"the output of a {WIRE_TOOL!r} call is the value the wire format serves, so it must be JSON text "
-            f"(encode a string as a JSON string); this one is not: {error}"
-        ) from None
 
 
 def _value(node: Node) -> Any:
@@ -244,7 +199,7 @@ class WireCompat:
         ]
 
     def _lease_env(self, graph: ToolCallGraph, node: Node, env_id: str) -> HeldLease:
-        lease = self.service.cache._lease_snapshot(node, ENV_KIND)
+        lease = self.service.store.lease_snapshot(node, ENV_KIND)
         assert lease is not None and lease.node is node
         return self.service.hold(lease, graph.task_id, tag=env_id)
 
@@ -254,7 +209,7 @@ class WireCompat:
         self._enforce(held.task_id)
 
     def _budget(self) -> int | None:
-        return self.service.cache.budget.max_snapshots_per_task
+        return self.service.store.budget.max_snapshots_per_task
 
     def _enforce(self, task_id: str, *, keep: Node | None = None) -> None:
         """Evict unleased envs, lowest expected reuse first, while the task is over its snapshot budget. Only wire
@@ -264,20 +219,20 @@ class WireCompat:
         graph = self.service.existing_graph(task_id)
         if budget is None or graph is None or len(graph.snapshot_nodes) <= budget:
             return
-        cache = self.service.cache
-        now = cache._clock()
+        store = self.service.store
+        now = store.clock()
         candidates = sorted(
             (
                 node
                 for node in graph.snapshot_nodes.values()
                 if node.leases == 0 and node is not keep and _env_id(node) is not None
             ),
-            key=lambda node: cache.eviction.priority(node, now),
+            key=lambda node: store.eviction.priority(node, now),
         )
         for node in candidates:
             if len(graph.snapshot_nodes) <= budget:
                 break
-            snapshot = cache._detach_snapshot(graph, node)
+            snapshot = store.detach_snapshot(graph, node)
             self._pending.setdefault(task_id, []).append(snapshot.path)
             self.service.counters["snapshots_evicted"] += 1
 
@@ -287,8 +242,7 @@ class WireCompat:
 
     def stats(self) -> dict[str, int]:
         """Gauges for ``/metrics`` and ``/v1/stats``."""
-        cache = self.service.cache
-        graphs = [cache.graph(task) for task in cache.tasks()]
+        graphs = self.service.store.graphs()
         return {
             "wire_envs": sum(1 for g in graphs for node in g.snapshot_nodes.values() if _env_id(node) is not None),
             "wire_envs_over_budget_leased": sum(self._over_budget(g) for g in graphs),
@@ -309,7 +263,7 @@ class WireCompat:
             # Not tallied as a miss: like a native /v1/lookup miss, the execution is counted when it is put.
             return {"found": False, "env_id": None, "value": None, "tool_exec_time": None}
         graph = service.graph(task_name)
-        service.cache._touch(graph, node)
+        service.store.touch(graph, node)
         service.counters["lookup_hits"] += 1
         service.activity.hit(task_name, None, seconds_saved=node.seconds)
         return {"found": True, "env_id": _env_id(node), "value": _value(node), "tool_exec_time": node.seconds}
@@ -436,7 +390,9 @@ class WireCompat:
             node = planned
             if node is None:
                 assert output is not None
-                node = service.cache._record(graph, state, call, Outcome(output=output), seconds, read_only=False)
+                node = service.store.record(
+                    graph, state, call, Outcome(output=output), seconds=seconds, read_only=False
+                )
                 service.counters["inserts"] += 1
                 service.activity.miss(task, None, seconds_executed=seconds)
             state = node
@@ -446,11 +402,11 @@ class WireCompat:
             ancestor: Node | None = state.parent
             while ancestor is not None:
                 if _env_id(ancestor) == body.env_id and ancestor.leases == 0:
-                    service.cache._detach_snapshot(graph, ancestor)
+                    service.store.detach_snapshot(graph, ancestor)
                 ancestor = ancestor.parent
             snapshot = Snapshot(kind=ENV_KIND, path=body.env_id, bytes=0)
-            _, evicted = service.attach_snapshot(graph, state, snapshot)
-            removed = [old.path for old in evicted if old.kind == ENV_KIND]
+            attached = service.attach_snapshot(graph, state, snapshot)
+            removed = [old.path for old in attached.evicted if old.kind == ENV_KIND]
         self._enforce(task, keep=state)
         removed += self._pending.pop(task, [])
         return {"success": True, "removed_env_ids": removed, "over_budget_leased": self._over_budget(graph)}
@@ -517,7 +473,7 @@ class WireCompat:
         native = [n for n in subtree if n.snapshot is not None and _env_id(n) is None]
         if native:
             raise InvalidInput(f"{len(native)} node(s) below this history hold native clients' snapshots")
-        for snapshot in self.service.cache._remove(graph, node):
+        for snapshot in self.service.store.remove(graph, node):
             self._pending.setdefault(task, []).append(snapshot.path)
         return {"success": True}
 
@@ -532,7 +488,7 @@ class WireCompat:
                 "error": f"the env at this history is {_env_id(node)!r}, not {body.env_id!r}",
             }
         graph = self.service.graph(task)
-        self.service.cache._record_test(graph, node.state, STATELESS_KEY, True)
+        self.service.store.record_test(graph, node.state, STATELESS_KEY, True)
         return 200, {"success": True}
 
     def store_test_result(self, body: StoreTestResultIn, header: str | None = None) -> dict[str, Any]:
@@ -541,7 +497,7 @@ class WireCompat:
             raise InvalidInput("task_name, history, and test_result are required")
         node = self._cached(task, body.history)
         graph = self.service.graph(task)
-        self.service.cache._record_test(graph, node.state, TEST_KEY, body.test_result)
+        self.service.store.record_test(graph, node.state, TEST_KEY, body.test_result)
         return {"success": True}
 
     def get_all_envs(self, task_name: str, header: str | None = None) -> dict[str, Any]:

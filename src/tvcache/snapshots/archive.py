@@ -12,7 +12,7 @@ compares them). Every extended attribute is kept (``SCHILY.xattr.<name>`` record
 excludes, so symlinks, modes (setuid included), owners, ACLs, hard links, FIFOs, device nodes and empty
 directories come through. Inode numbers and change times are not in the archive.
 
-GNU tar runs tied to the process that starts it (``tvcache._children``): when that process is killed, tar dies
+GNU tar runs tied to the process that starts it (``tvcache.children``): when that process is killed, tar dies
 with it instead of writing on into a node cache's ``.partial`` entry or a layer store.
 
 Unpacking restores owners when running as root (as GNU tar does by default; an unprivileged process cannot) and
@@ -20,7 +20,7 @@ exact modes always, checks nothing but lets GNU tar refuse what would land outsi
 writing through a symlink): the blob's digest is verified before. An attribute it cannot restore (a
 ``trusted.*`` extended attribute without root) fails the unpack: a fork refuses rather than differ.
 
-Standard library only (it runs GNU tar); ``tvcache.sandboxes.layer_archive`` adds what is particular to overlay
+Standard library only (it runs GNU tar); ``tvcache.sandboxes.shell.layer_archive`` adds what is particular to overlay
 layers.
 """
 
@@ -32,13 +32,13 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from .._children import run
+from ..children import run
 from ..errors import SandboxError
 
 __all__ = ["FIXED_PATH", "pack_tree", "require_gnu_tar", "unpack_tree"]
 
 FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
-"""Where GNU tar is looked for: the sandboxes' fixed ``PATH`` (``tvcache.sandboxes._process``), repeated here so
+"""Where GNU tar is looked for: the sandboxes' fixed ``PATH`` (``tvcache.sandboxes.shell.process``), repeated here so
 the core does not import the sandboxes."""
 _ENVIRONMENT = {"PATH": FIXED_PATH, "LC_ALL": "C"}  # byte order for --sort=name, untranslated errors
 _PAX_OPTIONS = "--pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime"

@@ -167,7 +167,7 @@ class NodeCache:
 
         The writer pins the digest itself while it writes (whether or not its caller does), so no process takes
         the ``.partial`` for abandoned while it is being written. GNU tar, which writes a tree, dies with this
-        process (``tvcache._children``), so once the pin goes with a killed writer nothing writes there any more.
+        process (``tvcache.children``), so once the pin goes with a killed writer nothing writes there any more.
         """
         dest = self.path(digest)
         partial = self.root / f"{digest}.{secrets.token_hex(4)}.partial"

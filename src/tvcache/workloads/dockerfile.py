@@ -106,7 +106,7 @@ def unavailable_reason(backend: str = "image", *, engine: str = "docker", base: 
     if found.returncode != 0:
         return f"needs the base image {base}; build it with scripts/build-base-image.sh"
     if backend == "image":
-        from ..sandboxes._linux import overlay_supported
+        from ..sandboxes.shell.linux import overlay_supported
 
         if not overlay_supported():
             return "image-based overlay sandboxes need overlay mounts (root on Linux >= 6.8)"
@@ -131,7 +131,7 @@ def build_images(*, engine: str = "docker", base: str = BASE_IMAGE) -> dict[str,
 def _factory(backend: str, image: str, engine: str) -> SandboxFactory:
     if backend == "docker":
         return DockerSandbox.factory(image, engine=engine, timeout=60)
-    from ..sandboxes.shell import ShellSandbox
+    from ..sandboxes.shell.sandbox import ShellSandbox
 
     return ShellSandbox.from_image(image, engine=engine, timeout=60)
 

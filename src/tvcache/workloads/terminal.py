@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import SandboxError
 from ..sandboxes import ShellSandbox
-from ..sandboxes._process import FIXED_PATH, fixed_environment
+from ..sandboxes.shell.process import FIXED_PATH, fixed_environment
 from .base import Action, Task, Workload
 
 __all__ = ["TASKS", "terminal_workload"]
@@ -192,7 +192,7 @@ def _tests_pass(output: str | None) -> float:
 
 def unavailable_reason() -> str | None:
     """Why the workload cannot run here (persistent shells have no copying fallback), or None."""
-    from ..sandboxes._linux import overlay_supported
+    from ..sandboxes.shell.linux import overlay_supported
 
     if not overlay_supported():
         return "persistent shell sandboxes need overlay mounts (root on Linux >= 6.8)"

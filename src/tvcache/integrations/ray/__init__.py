@@ -26,7 +26,7 @@ serves the dashboard and Prometheus ``/metrics`` of ``tvcache serve`` for the sh
 
 from __future__ import annotations
 
-from .._common import require
+from ..optional_imports import require
 
 require("ray", "ray")
 
@@ -34,7 +34,7 @@ from .dashboard import create_dashboard_app, serve_dashboard  # noqa: E402
 from .shards import (  # noqa: E402
     DEFAULT_NAMESPACE,
     RayCache,
-    RayShardClient,
+    RayTransport,
     ShardActor,
     find_shards,
     start_shards,
@@ -57,7 +57,7 @@ __all__ = [
     "PublishedSnapshots",
     "RayCache",
     "RayObjectStore",
-    "RayShardClient",
+    "RayTransport",
     "ShardActor",
     "blob_digest",
     "create_dashboard_app",

@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from ...bench.load import LoadFigures, measure, offer
-from ...bench.server import Pool, _free_port, _keys, _native_request, _populate, _start, _wait_healthy
+from ...bench.server import Pool, bench_keys, free_port, native_request, populate, start_server, wait_healthy
 from ...client.sharding import rendezvous
 from ...server.wire import WIRE_TOOL
 from .shards import start_shards
@@ -52,14 +52,14 @@ async def _populate_ray(actors: list[Any], names: list[str], keys: list[tuple[st
                     "task_id": task,
                     "parent": parent,
                     "call": {"name": WIRE_TOOL, "arguments": {"call": call}},
-                    "output": f"out:{call}",
+                    "output": json.dumps(f"out:{call}"),  # a wire value is JSON text, as /put stores it
                     "seconds": 1.0,
                     "read_only": False,
                 }
-                status, reply = await actor.request.remote("POST", "/v1/insert", json.dumps(body).encode(), None)
+                status, answer = await actor.request.remote("POST", "/v1/insert", json.dumps(body).encode(), None)
                 if status != 200:
-                    raise RuntimeError(f"populating {task} failed: {reply}")
-                parent = reply["node"]["id"]
+                    raise RuntimeError(f"populating {task} failed: {answer!r}")
+                parent = json.loads(answer)["node"]["id"]
 
     await asyncio.gather(*(put(task, history) for task, history in keys))
 
@@ -80,16 +80,16 @@ async def _measure(name: str, send: Send, rates: list[int], duration: float) -> 
 
 
 async def _bench(ports: list[int], actors: list[Any], names: list[str], args: dict[str, Any]) -> list[Row]:
-    population = _keys(args["keys"], args["seed"])
+    population = bench_keys(args["keys"], args["seed"])
     http_names = [f"shard-{port}" for port in ports]
     pools = [Pool(port) for port in ports]
-    await _populate(pools, http_names, population)
+    await populate(pools, http_names, population)
     for pool in pools:
         await pool.open(64)
     await _populate_ray(actors, names, population)
 
     http_requests = [
-        (http_names.index(rendezvous(task, http_names)), _native_request(task, history)) for task, history in population
+        (http_names.index(rendezvous(task, http_names)), native_request(task, history)) for task, history in population
     ]
     ray_requests = [(names.index(rendezvous(task, names)), _lookup_body(task, history)) for task, history in population]
 
@@ -99,8 +99,8 @@ async def _bench(ports: list[int], actors: list[Any], names: list[str], args: di
 
     async def send_ray(index: int) -> bool:
         shard, body = ray_requests[index % len(ray_requests)]
-        status, reply = await actors[shard].request.remote("POST", "/v1/lookup", body, None)
-        return status == 200 and bool(reply["hit"])
+        status, answer = await actors[shard].request.remote("POST", "/v1/lookup", body, None)
+        return status == 200 and bool(json.loads(answer)["hit"])
 
     rows = await _measure("http", send_http, args["rates"], args["duration"])
     rows += await _measure("ray", send_ray, args["rates"], args["duration"])
@@ -117,11 +117,11 @@ def run(
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(namespace=namespace, include_dashboard=False, object_store_memory=100 * 1024**2, log_to_driver=False)
-    ports = [_free_port() for _ in range(shards)]
-    processes = [_start(port) for port in ports]
+    ports = [free_port() for _ in range(shards)]
+    processes = [start_server(port) for port in ports]
     try:
         for port, process in zip(ports, processes, strict=True):
-            _wait_healthy(port, process)
+            wait_healthy(port, process)
         names = start_shards(shards, data_dir=None, namespace=namespace, detached=False)
         actors = [ray.get_actor(name, namespace=namespace) for name in names]
         print(

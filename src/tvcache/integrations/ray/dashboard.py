@@ -49,6 +49,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from ... import __version__
+from ...api.errors import METHOD_NOT_ALLOWED, NOT_FOUND, SHARD_DOWN, VALIDATION, ErrorCode, error_body
+from ...api.routes import route as find_route
 from ...client.sharding import rendezvous
 from ...errors import InvalidInput
 from ...server.activity import Tally
@@ -140,8 +142,8 @@ class ShardReader:
         reply = await self.call(name, "request", "GET", path, None, params)
         if isinstance(reply, ShardDown):
             return reply
-        status, payload = reply
-        return int(status), payload
+        status, body = reply  # the JSON body the server would send
+        return int(status), json.loads(body)
 
     async def poll(self, *paths: str, metrics: bool = False) -> list[Polled]:
         """Every shard's ``info()`` and ``GET paths`` (and Prometheus text), concurrently, in shard order."""
@@ -338,8 +340,8 @@ def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) 
     return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
-def _error(status: int, kind: str, message: str) -> Response:
-    return _json({"error": {"type": kind, "message": message}}, status)
+def _error(code: ErrorCode, message: str) -> Response:
+    return Response(error_body(code, message), status_code=code.status, media_type="application/json")
 
 
 class _Routes:
@@ -369,29 +371,22 @@ class _Routes:
         # Open to anyone (like the server's): liveness and version only; shard names and the namespace are data.
         return _json({"status": "ok", "version": __version__})
 
-    def per_task(self, path: str, *, node_id: bool = False, limit: bool = False) -> Route:
-        """A route answered by the shard that owns the task, its query validated as the server validates it."""
+    def per_task(self, path: str) -> Route:
+        """A route answered by the shard that owns the task, its query validated as the server validates it (the
+        parameters of the one route table)."""
+        route = find_route("GET", path)
+        assert route is not None, path
 
         async def endpoint(request: Request) -> Response:
-            query = request.query_params
-            task_id = query.get("task_id")
-            if not task_id:
-                return _error(422, "validation", "query parameter 'task_id' is required")
-            params = {"task_id": task_id}
-            if node_id:
-                value = query.get("node_id", "")
-                if not value.isdigit():
-                    return _error(422, "validation", "node_id must be a non-negative integer")
-                params["node_id"] = value
-            if limit:
-                value = query.get("limit", "2000")
-                if not value.isdigit() or not 1 <= int(value) <= 100_000:
-                    return _error(422, "validation", "limit must be an integer from 1 to 100000")
-                params["limit"] = value
+            try:
+                params = {param.name: str(param.parse(request.query_params)) for param in route.query}
+            except InvalidInput as error:
+                return _error(VALIDATION, str(error))
+            task_id = params["task_id"]
             owner = self.reader.owner(task_id)
             reply = await self.reader.get(owner, path, params)
             if isinstance(reply, ShardDown):
-                return _error(503, "shard_down", f"task {task_id!r} lives on {owner}, which is down: {reply.message}")
+                return _error(SHARD_DOWN, f"task {task_id!r} lives on {owner}, which is down: {reply.message}")
             status, payload = reply
             return _json(payload, status, headers={"X-Tvcache-Shard": owner})
 
@@ -404,9 +399,9 @@ class _Routes:
             Route("/v1/activity", self.activity, methods=["GET"]),
             Route("/v1/tools/nondeterministic", self.tools, methods=["GET"]),
             self.per_task("/v1/graph"),
-            self.per_task("/v1/graph/outline", limit=True),
-            self.per_task("/v1/node", node_id=True),
-            self.per_task("/v1/path", node_id=True),
+            self.per_task("/v1/graph/outline"),
+            self.per_task("/v1/node"),
+            self.per_task("/v1/path"),
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             *dashboard_routes(),
@@ -436,10 +431,10 @@ def create_dashboard_app(
     routes = _Routes(ShardReader(names, namespace=namespace, timeout=timeout))
 
     async def not_found(request: Request, exc: Exception) -> Response:
-        return _error(404, "not_found", f"no route {request.method} {request.url.path}")
+        return _error(NOT_FOUND, f"no route {request.method} {request.url.path}")
 
     async def not_allowed(request: Request, exc: Exception) -> Response:
-        return _error(405, "method_not_allowed", f"{request.method} is not allowed on {request.url.path}")
+        return _error(METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {request.url.path}")
 
     app = Starlette(routes=routes.routes(), exception_handlers={404: not_found, 405: not_allowed})
     return Guard(app, token=token)

@@ -1,8 +1,9 @@
 """Graph shards as named Ray actors, and ``RayCache``, the client that routes sessions to them.
 
 A shard actor wraps the very ``CacheService`` that ``tvcache serve`` wraps, and answers the same native ``/v1``
-operations through the same route table and pydantic models (``tvcache.server.app.Server.native_routes``), so
-claims, leases, inserts and their validation behave exactly as over HTTP. It is an async actor: a long-poll
+operations through the same route table, dispatcher and error table as the HTTP server (``tvcache.api.routes``,
+``tvcache.server.routes.Dispatcher``, ``tvcache.api.errors``), so claims, leases, inserts, their validation and
+their refusals behave exactly as over HTTP. It is an async actor: a long-poll
 (``/v1/claim/wait``) awaits on the actor's event loop without blocking other requests, just as on uvicorn.
 
 A shard journals every insert to ``data_dir/shard-<i>`` before it answers. Shards are created with
@@ -13,41 +14,45 @@ claimed again), so nothing acknowledged is lost. ``data_dir`` must therefore be 
 restart the actor: a shared filesystem in a real cluster, any local path when every node is on one machine.
 
 ``RayCache`` is to the shard actors what ``ShardedCache`` is to HTTP servers: one ``RemoteCache`` per shard, the
-same rendezvous hash over the shard names, the same session API. Each per-shard client is a ``RemoteCache``
-whose two transport methods send the request to the actor instead of over HTTP; everything else (the replica
-graph, claims with heartbeats, long-polls on a background loop, batched hit counts) is inherited unchanged.
+same rendezvous hash over the shard names, the same session API. Each per-shard client is a plain ``RemoteCache``
+over a ``RayTransport``, an httpx transport (blocking and async) that hands each request to the actor instead of a
+socket; everything else (the replica graph, claims with heartbeats, long-polls on a background loop, batched hit
+counts) is the HTTP client's own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import ray
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from ray.exceptions import RayError
 
+from ...api import models as m
+from ...api.routes import POST_ROUTES
 from ...calls import ToolSpec
-from ...client.remote import RemoteCache, ServerError
+from ...client.remote import RemoteCache
 from ...client.sharding import ShardRouter
-from ...errors import InvalidInput, JournalError, TVCacheError
+from ...errors import InvalidInput, JournalError
 from ...policies import Budget
-from ...server import models as m
-from ...server.app import Server, ServerSettings
 from ...server.metrics import Histogram, render
-from ...server.service import CacheService, NotFound
+from ...server.routes import Dispatcher
+from ...server.routes import Reply as Answer
+from ...server.service import CacheService
 
 __all__ = [
     "DEFAULT_NAMESPACE",
     "SHARD_PREFIX",
     "RayCache",
-    "RayShardClient",
+    "RayTransport",
     "ShardActor",
     "find_shards",
     "start_shards",
@@ -57,7 +62,9 @@ __all__ = [
 DEFAULT_NAMESPACE = "tvcache"
 SHARD_PREFIX = "tvcache-shard-"
 
-Reply = tuple[int, Any]
+Reply = tuple[int, bytes]  # (HTTP status, JSON body), what a shard actor answers
+
+ATTACH = next(route.path for route in POST_ROUTES if route.handler == "attach")
 
 
 # Handles of non-detached shards started by this process, keeping them alive until ``stop_shards``.
@@ -98,22 +105,22 @@ class ShardActor:
             lease_ttl=lease_ttl,
             lock_wait=lock_wait,
         )
-        server = Server(self.service, ServerSettings())
-        self._routes: dict[str, tuple[type[BaseModel], Callable[[Any], Any]]] = {}
-        for route, method in server.native_routes():
-            assert route.request is not None
-            self._routes[route.path] = (route.request, method)
         self._sweep_interval = sweep_interval
         self._last_sweep = time.monotonic()
         self.latency = Histogram()
         self.statuses: dict[str, int] = {}
+        self.dispatcher = Dispatcher(self.service, latency=self.latency)
 
     async def request(self, method: str, path: str, body: bytes | None, params: dict[str, str] | None) -> Reply:
+        """Answer a request as the HTTP server would: ``(status, JSON body)``."""
         self._maybe_sweep()
-        status, payload = await self._dispatch(method, path, body, params or {})
-        key = str(status)
+        if method == "POST" and path == ATTACH and body is not None and self._already_attached(body):
+            reply = Answer(200, m.AttachOut(attached=True, evicted=[]).model_dump_json().encode())
+        else:
+            reply = await self.dispatcher.dispatch(method, path, body, params or {})
+        key = str(reply.status)
         self.statuses[key] = self.statuses.get(key, 0) + 1
-        return status, payload
+        return reply.status, reply.body
 
     def _maybe_sweep(self) -> None:
         """Expire abandoned claims and leases, at most once per ``sweep_interval`` (the HTTP server's sweeper
@@ -123,41 +130,13 @@ class ShardActor:
             self._last_sweep = now
             self.service.sweep()
 
-    async def _dispatch(self, method: str, path: str, body: bytes | None, params: dict[str, str]) -> Reply:
-        try:
-            if method == "POST":
-                route = self._routes.get(path)
-                if route is None:
-                    return _error(404, "not_found", f"no route POST {path}")
-                model, operation = route
-                request = model.model_validate_json(body or b"{}")
-                if isinstance(request, m.AttachIn) and self._already_attached(request):
-                    return 200, {"attached": True, "evicted": []}
-                started = time.perf_counter()
-                result = operation(request)
-                if hasattr(result, "__await__"):
-                    result = await result
-                if path == "/v1/lookup":
-                    self.latency.observe(path, time.perf_counter() - started)
-                return 200, result.model_dump(mode="json")
-            if method == "GET":
-                return 200, self._get(path, params)
-            return _error(405, "method_not_allowed", f"{method} is not allowed on {path}")
-        except ValidationError as error:
-            problems = error.errors(include_url=False, include_context=False, include_input=False)
-            where = ".".join(str(part) for part in problems[0]["loc"]) if problems else "body"
-            message = problems[0]["msg"] if problems else "invalid"
-            return _error(422, "validation", f"{where}: {message}")
-        except NotFound as error:
-            return _error(404, "not_found", str(error))
-        except InvalidInput as error:
-            return _error(400, "invalid_input", str(error))
-        except TVCacheError as error:
-            return _error(503, type(error).__name__, str(error))
-
-    def _already_attached(self, body: m.AttachIn) -> bool:
+    def _already_attached(self, data: bytes) -> bool:
         """A retried attach (the reply to the first was lost when the actor died after journaling it) must not
         be answered "evict your own snapshot": the node holds exactly that snapshot already."""
+        try:
+            body = m.AttachIn.model_validate_json(data)
+        except ValidationError:
+            return False  # the dispatcher refuses it
         graph = self.service.existing_graph(body.task_id)
         node = None if graph is None else graph.get(body.node_id)
         if node is None or node.snapshot is None:
@@ -165,26 +144,6 @@ class ShardActor:
         given = body.snapshot
         held = node.snapshot
         return (held.kind, held.path, held.bytes, dict(held.meta)) == (given.kind, given.path, given.bytes, given.meta)
-
-    def _get(self, path: str, params: dict[str, str]) -> Any:
-        s = self.service
-        if path == "/v1/stats":
-            return s.stats()
-        if path == "/v1/path":
-            return s.path(_param(params, "task_id"), _int_param(params, "node_id")).model_dump(mode="json")
-        if path == "/v1/tools/nondeterministic":
-            return s.nondeterministic().model_dump(mode="json")
-        if path == "/v1/tasks":
-            return s.tasks().model_dump(mode="json")
-        if path == "/v1/graph":
-            return s.export(_param(params, "task_id")).model_dump(mode="json")
-        if path == "/v1/activity":
-            return s.activity_report().model_dump(mode="json")
-        if path == "/v1/graph/outline":  # the dashboard's reads (tvcache ray dashboard)
-            return s.outline(_param(params, "task_id"), _int_param(params, "limit")).model_dump(mode="json")
-        if path == "/v1/node":
-            return s.node_detail(_param(params, "task_id"), _int_param(params, "node_id")).model_dump(mode="json")
-        raise NotFound(f"no route GET {path}")
 
     # ------------------------------------------------------------------ operations
 
@@ -227,24 +186,6 @@ def _open_service(
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-
-
-def _error(status: int, kind: str, message: str) -> Reply:
-    return status, {"error": {"type": kind, "message": message}}
-
-
-def _param(params: dict[str, str], name: str) -> str:
-    value = params.get(name)
-    if not value:
-        raise InvalidInput(f"query parameter {name!r} is required")
-    return value
-
-
-def _int_param(params: dict[str, str], name: str) -> int:
-    value = _param(params, name)
-    if not value.isdigit():
-        raise InvalidInput(f"{name} must be a non-negative integer")
-    return int(value)
 
 
 # ---------------------------------------------------------------------------------------------- deployment
@@ -345,55 +286,53 @@ def stop_shards(namespace: str = DEFAULT_NAMESPACE) -> list[str]:
 # ---------------------------------------------------------------------------------------------- clients
 
 
-class RayShardClient(RemoteCache):
-    """A ``RemoteCache`` whose requests go to one shard actor instead of an HTTP server."""
+class RayTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
+    """An httpx transport (blocking and async) that hands each request to one shard actor instead of a socket:
+    a shard is a ``RemoteCache`` over this transport, exactly as over HTTP. The actor answers with the status and
+    body the HTTP server would have (``ShardActor.request``); replies name no server instance, so a restarted
+    actor is caught by the replica's node identity check instead. A Ray failure or timeout is an
+    ``httpx.TransportError`` (the client's "cannot reach" ``ServerError``)."""
 
-    def __init__(self, actor: Any, name: str, *, namespace: str, **options: Any) -> None:
-        options.pop("transport", None)
-        super().__init__(f"ray://{namespace}/{name}", **options)
+    def __init__(self, actor: Any, name: str) -> None:
         self.actor = actor
         self.name = name
 
-    def _request(
-        self, method: str, path: str, body: Any = None, params: Any = None, *, instance: str | None = None
-    ) -> Any:
-        # ``instance`` is not sent: actor replies name no server instance, so ``_instance`` stays None here and
-        # a reconstructed actor is caught only by the replica's node identity check (``RemoteCache._adopt``).
-        payload = None if body is None else json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
-        query = None if params is None else {key: str(value) for key, value in params.items()}
+    @staticmethod
+    def _args(request: httpx.Request) -> tuple[str, str, bytes | None, dict[str, str]]:
+        body = request.read() or None
+        return request.method, request.url.path, body, dict(request.url.params)
+
+    @staticmethod
+    def _timeout(request: httpx.Request) -> float | None:
+        timeout: dict[str, float | None] = request.extensions.get("timeout", {})
+        return timeout.get("read")
+
+    def _response(self, reply: Reply, request: httpx.Request) -> httpx.Response:
+        status, body = reply
+        media = "text/plain" if request.url.path == "/metrics" else "application/json"
+        return httpx.Response(status, content=body, headers={"content-type": media}, request=request)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
         try:
-            reply = ray.get(self.actor.request.remote(method, path, payload, query), timeout=self._timeout)
+            reply = ray.get(self.actor.request.remote(*self._args(request)), timeout=self._timeout(request))
         except (RayError, TimeoutError) as error:
-            raise ServerError(0, f"shard actor {self.name} did not answer {path}: {error!r}") from error
-        return self._reply(reply, path)
+            raise httpx.TransportError(f"shard actor {self.name} did not answer: {error!r}") from error
+        return self._response(reply, request)
 
-    async def _arequest(self, path: str, body: Any, *, instance: str | None = None) -> Any:
-        payload = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         try:
-            reply = await self.actor.request.remote("POST", path, payload, None)
-        except RayError as error:
-            raise ServerError(0, f"shard actor {self.name} did not answer {path}: {error!r}") from error
-        return self._reply(reply, path)
+            reply = await asyncio.wait_for(self.actor.request.remote(*self._args(request)), self._timeout(request))
+        except (RayError, TimeoutError) as error:
+            raise httpx.TransportError(f"shard actor {self.name} did not answer: {error!r}") from error
+        return self._response(reply, request)
 
-    def _reply(self, reply: Reply, path: str) -> Any:
-        status, payload = reply
-        if status >= 400:
-            error = payload.get("error", {}) if isinstance(payload, dict) else {}
-            message = f"{self.url}{path}: {status}: {error.get('message', payload)}"
-            if status in (400, 422):
-                raise InvalidInput(message)
-            raise ServerError(status, message)
-        return payload
-
-    def shard_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = ray.get(self.actor.info.remote(), timeout=self._timeout)
+    def info(self, timeout: float | None = None) -> dict[str, Any]:
+        """Where the shard runs and what it holds (``ShardActor.info``)."""
+        info: dict[str, Any] = ray.get(self.actor.info.remote(), timeout=timeout)
         return info
 
-    def __repr__(self) -> str:
-        return f"<RayShardClient {self.name} tasks={len(self._graphs)}>"
 
-
-class RayCache(ShardRouter[RayShardClient]):
+class RayCache(ShardRouter[RemoteCache]):
     """Sessions routed to the shard actors of ``namespace`` by the task id, with the same rendezvous hash as
     ``ShardedCache``. The same session API as ``Cache``::
 
@@ -424,18 +363,26 @@ class RayCache(ShardRouter[RayShardClient]):
         if len(set(names)) != len(names):
             raise InvalidInput("RayCache got the same shard name twice")
         specs = list(tools)
+        for given in ("transport", "async_transport"):
+            options.pop(given, None)
         self.namespace = namespace
-        self.shards: dict[str, RayShardClient] = {}
+        self.shards: dict[str, RemoteCache] = {}
+        self.transports: dict[str, RayTransport] = {}
         for name in names:
             try:
                 actor = ray.get_actor(name, namespace=namespace)
             except ValueError as error:
                 raise InvalidInput(f"no shard actor {name!r} in Ray namespace {namespace!r}: {error}") from error
-            self.shards[name] = RayShardClient(actor, name, namespace=namespace, tools=specs, **options)
+            transport = self.transports[name] = RayTransport(actor, name)
+            self.shards[name] = RemoteCache(f"ray://{name}", transport=transport, tools=specs, **options)
+
+    def shard_info(self) -> dict[str, dict[str, Any]]:
+        """Where each shard runs and what it holds (``tvcache ray status``), by shard name."""
+        return {name: transport.info() for name, transport in self.transports.items()}
 
     def metrics(self) -> dict[str, str]:
         """Each shard's Prometheus text, as ``GET /metrics`` of a server."""
-        refs = {name: cache.actor.metrics.remote() for name, cache in self.shards.items()}
+        refs = {name: transport.actor.metrics.remote() for name, transport in self.transports.items()}
         return {name: str(ray.get(ref)) for name, ref in refs.items()}
 
     def __repr__(self) -> str:

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import SandboxError, SnapshotDeclined
-from ._pty_shell import GRACE_SECONDS, PtyShell, ansi_c_quote
-from ._zygote import Confinement
+from ...errors import SandboxError, SnapshotDeclined
+from .pty_shell import GRACE_SECONDS, PtyShell, ansi_c_quote
+from .zygote import Confinement
 
 __all__ = [
     "ShellLaunch",

@@ -18,7 +18,7 @@ Refused, so that the snapshot is declined when no other route fits: no working C
 DEBUG or RETURN trap (it would fire on the capture that checks every restore), a root-filesystem sandbox (not
 supported yet). Declined when the dump fails: descriptors CRIU cannot carry (a socket to a process outside the
 sandbox, ...), no space left for the image, CRIU dying. A dump that fails late can take the tree with it: the
-sandbox then meets a shell that ended (``persistent_shell``: it is no longer trusted).
+sandbox then meets a shell that ended (``persistent``: it is no longer trusted).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import CriuError, SandboxError, SnapshotDeclined, SnapshotUnusable
-from ._pty_shell import PtyShell, Terminal
+from ...errors import CriuError, SandboxError, SnapshotDeclined, SnapshotUnusable
 from .criu import Criu, criu_unavailable_reason, discard_images, find_criu
+from .pty_shell import PtyShell, Terminal
 from .shell_state import ShellLaunch, ShellProbe, ShellState, SnapshotPlace, SnapshotRoute, verify
 
 __all__ = ["CriuRoute"]

@@ -1,35 +1,20 @@
-"""What every adapter shares: the one ``cache`` setting, sandboxes over state tvcache cannot snapshot, a loop
-for synchronous frameworks, and lazy imports that name the extra to install."""
+"""The one ``cache`` setting every adapter takes, and ``open_cache``, which turns it into a cache: in memory, a
+directory, a ``tvcache serve`` URL or several, Ray shard actors, or a cache already open."""
 
 from __future__ import annotations
 
-import asyncio
-import importlib
-import math
 import os
 import sys
-import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from types import ModuleType
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from ..cache import Cache
 from ..calls import ToolSpec
-from ..errors import InvalidInput, SandboxError
-from ..protocol import Sandbox, Snapshot
+from ..errors import InvalidInput
 from ..session import Session
 
-__all__ = [
-    "BackgroundLoop",
-    "CacheLike",
-    "CacheLocation",
-    "ExternalSandboxFactory",
-    "open_cache",
-    "require",
-]
-
-T = TypeVar("T")
+__all__ = ["CacheLike", "CacheLocation", "open_cache"]
 
 
 class CacheLike(Protocol):
@@ -127,87 +112,3 @@ def _remote(urls: list[str], *, token: str | None, tools: Iterable[ToolSpec], ch
     if len(urls) == 1:
         return RemoteCache(urls[0], token=token, tools=tools, **checks)
     return ShardedCache(urls, token=token, tools=tools, **checks)
-
-
-def require(module: str, extra: str) -> ModuleType:
-    """Import an optional framework, or fail with the command that installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        raise ImportError(
-            f"this tvcache integration needs {module.split('.')[0]!r}, which is not installed: "
-            f"pip install 'tvcache[{extra}]' ({error})"
-        ) from error
-
-
-class ExternalSandboxFactory:
-    """Sandboxes over state that lives outside tvcache (an MCP server process, a framework's tool, a cloud
-    sandbox): they can be started fresh and stopped, never snapshotted or forked.
-
-    The cost hints make snapshots look infinitely expensive, so the cache never asks for one; a miss after
-    hits starts a fresh sandbox and replays the cached stateful calls of the path (checking each result).
-    ``tools`` may be a mapping that fills in later (an MCP server's tool list is only known once listed).
-    """
-
-    def __init__(
-        self,
-        *,
-        kind: str,
-        tools: Mapping[str, ToolSpec],
-        start: Callable[[], Awaitable[Sandbox]],
-    ) -> None:
-        self.kind = kind
-        self._tools = tools
-        self._start = start
-        self.cost_hints: Mapping[str, float] = {"snapshot": math.inf, "fork": math.inf}
-
-    @property
-    def tools(self) -> Mapping[str, ToolSpec]:
-        return self._tools
-
-    async def start(self) -> Sandbox:
-        return await self._start()
-
-    async def fork(self, snapshot: Snapshot) -> Sandbox:
-        raise SandboxError(f"{self.kind} sandboxes cannot be forked (they are never snapshotted)")
-
-    def discard(self, snapshot: Snapshot) -> None:
-        """Nothing to free: this backend never snapshots."""
-
-    def __repr__(self) -> str:
-        return f"ExternalSandboxFactory(kind={self.kind!r}, tools={sorted(self._tools)})"
-
-
-class NoSnapshots:
-    """Mixin for sandboxes of an ``ExternalSandboxFactory``: ``snapshot`` is never called, and says so if it is."""
-
-    async def snapshot(self, dest: Path) -> Snapshot:
-        raise SandboxError(f"{type(self).__name__} cannot snapshot its state")
-
-
-class BackgroundLoop:
-    """An event loop on a daemon thread, for frameworks whose environment API is synchronous: ``run`` blocks the
-    calling thread (whether or not it is itself running a loop) until the coroutine finishes there."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._get()).result()
-
-    def _get(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="tvcache-integration", daemon=True).start()
-                self._loop = loop
-            return self._loop
-
-
-_SHARED_LOOP = BackgroundLoop()
-
-
-def shared_loop() -> BackgroundLoop:
-    """The process-wide background loop of the synchronous adapters."""
-    return _SHARED_LOOP

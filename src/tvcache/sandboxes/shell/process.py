@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..calls import ToolCall, ToolSpec
-from ..errors import InvalidToolCall, SandboxError, UnknownTool
-from ..protocol import Outcome
-from ._zygote import Spawned, SpawnError, Zygote
+from ...calls import ToolCall, ToolSpec
+from ...errors import InvalidToolCall, SandboxError, UnknownTool
+from ...protocol import Outcome
+from .zygote import Spawned, SpawnError, Zygote
 
 T = TypeVar("T")
 FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"

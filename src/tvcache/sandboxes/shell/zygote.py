@@ -3,8 +3,8 @@
 Why: forking the trainer's large Python process for every command costs milliseconds (copying its page tables,
 then copy-on-write faults while Python runs the pre-exec code), ``unshare(1)`` added an exec and a fork, and
 building fresh namespaces and mounts costs a few more, all while the caller waits. The zygote is a fresh
-``python -I -S`` interpreter that loads only ``_zygote_process`` (light standard-library modules and
-``_linux``). It keeps a few *spares* ready: children forked into a new PID namespace (each is PID 1 there) that
+``python -I -S`` interpreter that loads only ``zygote_process`` (light standard-library modules and
+``linux``). It keeps a few *spares* ready: children forked into a new PID namespace (each is PID 1 there) that
 have already entered fresh mount, network, IPC and UTS namespaces, built their mounts and dropped the
 capabilities bash must not get, and wait. A command goes to a spare, which attaches the sandbox's tree and
 execs bash. A spare serves exactly one command, so nothing is shared between commands or sandboxes. When bash
@@ -17,6 +17,11 @@ Protocol, over ``SOCK_SEQPACKET`` socket pairs (one message per packet):
 * zygote -> main, on the reply socket: ``{"pid": N}`` with the command's pidfd, then ``{"exited": code}``
   (``code`` as in ``Popen.returncode``). When its confinement or exec fails, the command sends
   ``{"error": text}`` first and exits with 127; when the zygote cannot start it, only ``{"error": text}`` comes.
+* a *warm* shell (``spawn(..., warm_boot_fd=...)``) is started before its sandbox exists: confined as usual but
+  with no tree attached, it waits in its boot script for its state on a pipe. ``Spawned.attach`` sends the
+  tree later, main -> zygote on the reply socket (``{"attach": true}`` with the overlay mount); the zygote enters
+  the shell's mount namespace, attaches the tree where a cold command gets it, and answers ``{"attached": true}``
+  (or ``{"error": text}``).
 
 The zygote ends when the control socket closes (``close``, garbage collection, or the main process dying); its
 children then die with it (parent-death signal), and with them every command they run.
@@ -39,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ._zygote_process import MAX_REPLY, encode_request, receive, send
+from .zygote_process import MAX_REPLY, encode_request, receive, send
 
 __all__ = ["Confinement", "SpawnError", "Spawned", "Zygote"]
 
@@ -71,6 +76,7 @@ class Spawned:
         self._lock = threading.Lock()
         self._pidfd: int | None = None
         self._done = False
+        self._attached = False
         self.pid: int | None = None  # the command's process id in the caller's PID namespace
         self.returncode: int | None = None
         self.errors: list[str] = []
@@ -95,6 +101,8 @@ class Spawned:
                 self.pid = int(reply["pid"])
         if "error" in reply:
             self.errors.append(str(reply["error"]))
+        if "attached" in reply:
+            self._attached = True
         if "exited" in reply:
             self.returncode = reply["exited"]
             self._done = True
@@ -113,6 +121,20 @@ class Spawned:
             if not self._handle_one(remaining):
                 return False
         return True
+
+    def attach(self, mount_fd: int, timeout: float) -> None:
+        """Attach the sandbox tree ``mount_fd`` in a warm shell's namespace (see the module docstring); SpawnError
+        when the zygote refuses, the shell is gone, or no answer comes within ``timeout`` seconds."""
+        try:
+            send(self._channel, b'{"attach": true}', [mount_fd])
+        except OSError as error:
+            raise SpawnError(error.errno, f"cannot reach the zygote to attach the tree: {error}") from error
+        deadline = time.monotonic() + timeout
+        while not self._attached and not self._done:
+            if not self._handle_one(max(0.0, deadline - time.monotonic())):
+                raise SpawnError(0, "the zygote did not attach the tree in time")
+        if not self._attached:
+            raise SpawnError(0, f"the tree was not attached: {'; '.join(self.errors) or 'the shell ended'}")
 
     def kill(self) -> None:
         """SIGKILL the command (PID 1 of its namespace: everything in it dies). Safe from any thread."""
@@ -149,7 +171,7 @@ import importlib, sys, types
 package = types.ModuleType("_tvcache_zygote")
 package.__path__ = [sys.argv[1]]
 sys.modules["_tvcache_zygote"] = package
-importlib.import_module("_tvcache_zygote._zygote_process").serve(int(sys.argv[2]), sys.argv[3])
+importlib.import_module("_tvcache_zygote.zygote_process").serve(int(sys.argv[2]), sys.argv[3])
 """
 
 
@@ -181,17 +203,23 @@ class Zygote:
         output_fd: int,
         terminal: bool = False,
         last_pid: int | None = None,
+        warm_boot_fd: int | None = None,
     ) -> Spawned:
         """Start ``argv`` confined, its stdout and stderr on ``output_fd``; the caller keeps its descriptors.
         With ``terminal``, ``output_fd`` is a pty slave that is also stdin and the controlling terminal;
-        ``last_pid`` sets the last PID used in the new PID namespace (see ``encode_request``)."""
-        request = encode_request(argv, dict(env), terminal=terminal, last_pid=last_pid)
+        ``last_pid`` sets the last PID used in the new PID namespace (see ``encode_request``). With
+        ``warm_boot_fd`` (the read end of a pipe; ``mount_fd`` is then ignored) the command starts before its
+        tree, which ``Spawned.attach`` brings later; it gets that pipe as descriptor 3 and the namespace's
+        ``ns_last_pid`` as 4."""
+        warm = warm_boot_fd is not None
+        request = encode_request(argv, dict(env), terminal=terminal, last_pid=last_pid, warm=warm)
+        third = warm_boot_fd if warm_boot_fd is not None else mount_fd
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             for attempt in (1, 2):
                 control = self._ensure()
                 try:
-                    send(control, request, [theirs.fileno(), output_fd, mount_fd])
+                    send(control, request, [theirs.fileno(), output_fd, third])
                     break
                 except OSError as error:
                     if error.errno == errno.EMSGSIZE:

@@ -22,8 +22,8 @@ import signal
 import socket
 import tempfile
 
-from . import _linux
-from ._zygote_process import message, send
+from . import linux
+from .zygote_process import message, send
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -73,13 +73,13 @@ def _attach_tree(mount_fd: int, scratch: str) -> str:
     as an external mount can bind it from: nothing is ever attached in the caller's namespace. A clone is
     attached: attaching the caller's own detached mount would use it up (the descriptor is shared with the
     caller, whose sandbox attaches it again for its next shell, or a restore after its next snapshot)."""
-    _linux.unshare(_linux.CLONE_NEWNS)
-    _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
+    linux.unshare(linux.CLONE_NEWNS)
+    linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
     target = tempfile.mkdtemp(prefix="tree-", dir=scratch)
-    clone = _linux.open_tree_clone(mount_fd)
+    clone = linux.open_tree_clone(mount_fd)
     os.close(mount_fd)
     try:
-        _linux.move_mount(clone, target)
+        linux.move_mount(clone, target)
     finally:
         os.close(clone)
     return target
@@ -118,7 +118,7 @@ def _set_last_pid(pid: int, last_pid: int) -> None:
     if child == 0:  # pragma: no cover - runs in the child
         code = 1
         try:
-            _linux.setns(namespace, _linux.CLONE_NEWPID)
+            linux.setns(namespace, linux.CLONE_NEWPID)
             inner = os.fork()
             if inner == 0:
                 try:
@@ -194,7 +194,7 @@ def serve(channel_fd: int, request: str) -> NoReturn:
 def _detach(attached: str | None) -> None:
     if attached is not None:
         try:
-            _linux.umount(attached, 2)  # MNT_DETACH; the namespace goes with this process anyway
+            linux.umount(attached, 2)  # MNT_DETACH; the namespace goes with this process anyway
             os.rmdir(attached)
         except OSError:
             pass

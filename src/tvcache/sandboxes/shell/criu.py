@@ -47,8 +47,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CriuError
-from ._zygote import Spawned
+from ...errors import CriuError
+from .zygote import Spawned
 
 __all__ = [
     "INSTALLED_PATH",

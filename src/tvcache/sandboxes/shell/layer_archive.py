@@ -1,7 +1,7 @@
 """Shell sandbox layers as content-addressed blobs: a canonical archive of one overlay layer, and the layers of
 this process by content address.
 
-A shell snapshot is a stack of overlay layers (``tvcache.sandboxes.layers``); ``PublishedSnapshots``
+A shell snapshot is a stack of overlay layers (``tvcache.sandboxes.shell.layers``); ``PublishedSnapshots``
 (``tvcache.sandboxes.published``) publishes each layer as its own blob, so a stack shares its lower layers with
 the publications of its parent snapshots.
 
@@ -27,9 +27,9 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from ..errors import SandboxError
-from ..snapshots.archive import pack_tree, require_gnu_tar, unpack_tree
-from ..snapshots.publication import LayerRef
+from ...errors import SandboxError
+from ...snapshots.archive import pack_tree, require_gnu_tar, unpack_tree
+from ...snapshots.publication import LayerRef
 from .layers import Layer, LayerStore
 
 __all__ = ["LayerCache", "LayerRef", "pack_layer", "require_gnu_tar", "unpack_layer"]

@@ -15,8 +15,12 @@ this are dropped. bash is PID 1 of its PID namespace: when it ends or times out,
 with it. Commands are started by a small helper process per factory (``_zygote``), so the caller's large
 Python process is never forked per command.
 
-With ``persistent=True`` each sandbox keeps one long-lived bash instead (``persistent_shell``): the working
+With ``persistent=True`` each sandbox keeps one long-lived bash instead (``persistent``): the working
 directory, variables, functions and jobs carry over between calls, and snapshots carry the shell's state too.
+``PersistentShellSandbox`` subclasses ``ShellSandbox``, so this module cannot import it: it registers itself
+here (``register_persistent_sandbox``) when ``persistent`` is imported, and ``tvcache.sandboxes``, which Python
+runs before any module inside it, imports ``persistent``. What the factory needs besides the class (the
+snapshots' kind and routes, deleting their process state) is in ``routes``.
 
 Needs root (or overlay mounts in general); otherwise ``ShellSandbox.factory`` falls back to copying the tree
 (``FolderSandbox``), with a warning.
@@ -34,18 +38,20 @@ import stat
 import threading
 import warnings
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from .._children import run as run_tied
-from ..calls import ToolCall, ToolSpec
-from ..errors import SandboxError, SnapshotDeclined
-from ..protocol import Outcome, Snapshot
-from . import _linux
-from ._process import (
+from ...calls import ToolCall, ToolSpec
+from ...children import run as run_tied
+from ...errors import SandboxError, SnapshotDeclined
+from ...protocol import Outcome, Snapshot
+from ..folder import SH_TOOL, FolderSandbox, FolderSandboxFactory
+from . import linux
+from .layers import Layer, LayerStore, upper_digest
+from .process import (
     FIXED_PATH,
     ShellResult,
     command_timeout,
@@ -56,15 +62,28 @@ from ._process import (
     run_in_worker,
     validated,
 )
-from ._zygote import Confinement, Spawned, Zygote
-from .folder import SH_TOOL, FolderSandbox, FolderSandboxFactory
-from .layers import Layer, LayerStore, upper_digest
+from .pty_shell import PtyShell
+from .routes import PERSISTENT_KIND, ROUTES, discard_process_state
+from .warm import WarmShells
+from .zygote import Confinement, Spawned, Zygote
 
-__all__ = ["ShellSandbox", "ShellSandboxFactory"]
+__all__ = ["PersistentSandboxMaker", "ShellSandbox", "ShellSandboxFactory", "register_persistent_sandbox"]
 
 KIND = "shell"
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+
+# Builds a persistent factory's sandbox over layers (their references taken over), with a shell restored from a
+# snapshot's "shell" meta, or a new shell for None; on failure it releases the layers itself.
+PersistentSandboxMaker = Callable[["ShellSandboxFactory", "list[Layer]", "dict[str, object] | None"], "ShellSandbox"]
+_persistent_sandbox: PersistentSandboxMaker | None = None  # set by ``persistent`` on import (module docstring)
+
+
+def register_persistent_sandbox(maker: PersistentSandboxMaker) -> None:
+    """Make ``maker`` (``persistent.PersistentShellSandbox``) what persistent factories build their sandboxes
+    with; ``persistent`` calls it when imported."""
+    global _persistent_sandbox
+    _persistent_sandbox = maker
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,17 +133,23 @@ class ShellSandboxFactory:
         self.command_prefix: tuple[str, ...] = ()  # run before bash: an image's WORKDIR and USER (sandboxes.image)
         self.persistent = persistent
         self.snapshot_routes: tuple[Any, ...] = ()
+        self._persistent_sandbox: PersistentSandboxMaker | None = None
         if persistent:
-            from .persistent_shell import PERSISTENT_KIND, ROUTES
-
+            if _persistent_sandbox is None:  # only while tvcache.sandboxes itself is being imported
+                raise SandboxError("persistent shell sandboxes are not loaded yet; import tvcache.sandboxes first")
+            self._persistent_sandbox = _persistent_sandbox
             self.kind = PERSISTENT_KIND  # its snapshots carry a shell: never forked by a one-shot factory
-            self.snapshot_routes = ROUTES  # tried in order per snapshot (persistent_shell); narrow it to opt out
+            self.snapshot_routes = ROUTES  # tried in order per snapshot (persistent); narrow it to opt out
         self.environment = (
             dict(environment) if environment is not None else fixed_environment("/root" if rootfs else str(base))
         )
         if persistent and environment is None:
             # A terminal: programs that would page or colour their output for a person must not wait for one.
             self.environment.update({"TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat"})
+        # Warm shells kept for forks of persistent snapshots (``warm``); 0 turns them off. Not with rootfs: bash
+        # comes from the sandbox's own tree there, which a warm shell cannot have before its fork.
+        self.warm_shells = 2 if persistent and not rootfs else 0
+        self._warm: WarmShells | None = None
         self._routes: Counter[str] = Counter()
         self._routes_lock = threading.Lock()
         self.store = LayerStore(Path(store_root) if store_root is not None else None)
@@ -146,16 +171,30 @@ class ShellSandboxFactory:
         return await self._build(layers, dict(image) if image is not None else None)
 
     def _make(self, layers: list[Layer], image: dict[str, object] | None) -> ShellSandbox:
-        if not self.persistent:
+        if self._persistent_sandbox is None:
             return ShellSandbox(self, layers)
-        from .persistent_shell import PersistentShellSandbox
-
-        return PersistentShellSandbox(self, layers, image)  # on failure, it released the layers itself
+        return self._persistent_sandbox(self, layers, image)  # on failure, it released the layers itself
 
     def count_route(self, route: object) -> None:
         """Count one snapshot of a persistent shell by the route it took (``shell_state.SnapshotRoute``)."""
         with self._routes_lock:
             self._routes[str(getattr(route, "value", route))] += 1
+
+    def warm_pool(self) -> WarmShells | None:
+        """The factory's pool of warm persistent shells (``warm.WarmShells``), made on first use; None when off."""
+        if self.warm_shells <= 0 or self.rootfs or not self.persistent:
+            return None
+        with self._routes_lock:
+            if self._warm is None:
+
+                def make() -> PtyShell:
+                    return PtyShell.warm(self.zygote, bash=self.bash, env=self.environment)
+
+                def key() -> object:
+                    return self.bash, tuple(sorted(self.environment.items()))
+
+                self._warm = WarmShells(make, key, size=self.warm_shells)
+            return self._warm
 
     def route_counts(self) -> dict[str, int]:
         """Snapshots of this factory's persistent shells by route ("shell-state", "declined", ...)."""
@@ -175,8 +214,6 @@ class ShellSandboxFactory:
             self.store.release(layers)
         Path(snapshot.path).unlink(missing_ok=True)
         if self.persistent:
-            from .persistent_shell import discard_process_state
-
             discard_process_state(snapshot.meta)  # a CRIU image, for that route
 
     def _layers_of(self, snapshot: Snapshot) -> list[Layer]:
@@ -191,7 +228,13 @@ class ShellSandboxFactory:
         return layers
 
     def close(self) -> None:
-        """Delete the factory's layer store and end its zygote; its sandboxes and snapshots stop working."""
+        """Delete the factory's layer store and end its warm shells and zygote; its sandboxes and snapshots stop
+        working."""
+        with self._routes_lock:
+            warm, self._warm = self._warm, None
+            self.warm_shells = 0
+        if warm is not None:
+            warm.close()
         self.zygote.close()
         self.store.close()
 
@@ -238,13 +281,13 @@ class ShellSandbox:
         visible: Sequence[str] = (),
     ) -> ShellSandboxFactory | FolderSandboxFactory:
         """Shell sandboxes over ``base_dir`` (a tree, or a root filesystem with ``rootfs=True``); with
-        ``persistent=True``, one long-lived shell per sandbox (see ``persistent_shell``). ``visible``: host
+        ``persistent=True``, one long-lived shell per sandbox (see ``persistent``). ``visible``: host
         directories under the private ``/tmp``, ``/var/tmp`` or ``/run`` that commands still see, read-only.
 
         Where overlay mounts are not permitted (not root), returns a ``FolderSandbox`` factory that copies the
         tree instead, with a warning — or raises SandboxError when ``fallback`` is False.
         """
-        if not _linux.overlay_supported():
+        if not linux.overlay_supported():
             if not fallback or rootfs or persistent:
                 raise SandboxError(
                     "overlay mounts are not permitted here (run as root on Linux >= 6.8); "
@@ -271,12 +314,31 @@ class ShellSandbox:
         )
 
     @classmethod
-    def from_image(cls, image: str, **options: Any) -> ShellSandboxFactory:
-        """Shell sandboxes (``rootfs=True``) over a container image's filesystem, with its ENV, WORKDIR and USER;
-        ``factory.image`` holds its digest for task ids. See ``tvcache.sandboxes.image``."""
-        from .image import image_factory
+    def from_image(
+        cls,
+        image: str,
+        *,
+        engine: str = "docker",
+        cache_dir: str | os.PathLike[str] | None = None,
+        environment: Mapping[str, str] | None = None,
+        **options: Any,
+    ) -> ShellSandboxFactory:
+        """Shell sandboxes (``rootfs=True``) over a container image's filesystem, with its ENV, WORKDIR and USER
+        (extra ``environment`` entries override the image's); ``factory.image`` holds its ``ImageConfig`` (its
+        digest) for task ids. ``options`` go to ``ShellSandboxFactory``. See ``tvcache.sandboxes.image``."""
+        from ..image import image_setup
 
-        return image_factory(image, **options)
+        setup = image_setup(
+            image,
+            engine=engine,
+            cache_dir=cache_dir,
+            environment=environment,
+            persistent=bool(options.get("persistent")),
+        )
+        factory = ShellSandboxFactory(setup.root, rootfs=True, environment=setup.environment, **options)
+        factory.command_prefix = setup.command_prefix
+        factory.image = setup.config  # type: ignore[attr-defined]
+        return factory
 
     # ----------------------------------------------------------- mounts
 
@@ -290,7 +352,7 @@ class ShellSandbox:
         return lowers if squashed else [*lowers, str(self._factory.base)]
 
     def _mount(self) -> None:
-        self._mount_fd = _linux.mount_overlay(self._lowers(), str(self._upper), str(self._work))
+        self._mount_fd = linux.mount_overlay(self._lowers(), str(self._upper), str(self._work))
 
     def _unmount(self) -> None:
         fd, self._mount_fd = self._mount_fd, None
@@ -398,7 +460,7 @@ class ShellSandbox:
         """Replace the whole stack (and the base) by one layer holding the merged tree: a full copy, paid
         once every ``max_layers`` snapshots so that lookups and mounts stay fast. ``cp -a`` keeps owners, modes,
         hard links, special files and extended attributes. If the copy fails, the deep stack stays as it is."""
-        merged = _linux.mount_overlay(self._lowers(), str(self._upper), str(self._work))
+        merged = linux.mount_overlay(self._lowers(), str(self._upper), str(self._work))
         target = self._store.new_layer_path(squashed=True)
         try:
             # The detached mount's root is reachable through its descriptor (from a child too, via our pid):

@@ -4,7 +4,7 @@ OpenHands). The working directory, variables, functions, aliases, options, umask
 persist from one ``sh`` call to the next; the files live on the same overlay layers as one-shot shell sandboxes.
 
 Confinement is the one-shot flavour's: the zygote starts bash as PID 1 of fresh namespaces (read-only host,
-private /tmp, own loopback, minimal /dev, dropped capabilities), here with a pty as its terminal (``_pty_shell``
+private /tmp, own loopback, minimal /dev, dropped capabilities), here with a pty as its terminal (``pty_shell``
 has the protocol). Every call's outcome reports ``changed_state=True``: in a persistent shell even ``cat`` moves
 ``$LINENO`` and ``$_``, so no call can be proved read-only.
 
@@ -12,7 +12,9 @@ Snapshots go by the route ``shell_state.choose_route`` picks (counted in ``Shell
 
 * **shell state** (bash alone in its namespace): its state is captured by a trap, the old shell ends, the files
   freeze as usual, and the sandbox goes on in a shell restored from the capture, exactly as every fork of the
-  snapshot will (the restore checks itself against the capture, so the sandbox and its forks cannot differ);
+  snapshot will (the restore checks itself against the capture, so the sandbox and its forks cannot differ).
+  The restored shell is a *warm* one when the factory has one ready (``warm``: started ahead, it only takes
+  the tree and the state), else a cold one; ``factory.warm_shells = 0`` turns them off;
 * **CRIU** (``criu_route``) when processes live beside the shell (a background server, a REPL, a tmux server),
   or it holds what the shell-state route cannot carry (``exec 3>file``, ``$!``), and a working CRIU exists: the
   process tree is dumped next to the snapshot (``<dest>.criu``) and ends, the files freeze, and the sandbox
@@ -22,7 +24,7 @@ Snapshots go by the route ``shell_state.choose_route`` picks (counted in ``Shell
   shell goes on untouched (unless a failed dump took it down: then it ended, as below), and later states of
   the rollout are rebuilt by replay.
 
-The routes are tried in the order of ``factory.snapshot_routes`` (default ``ROUTES``: shell state, then CRIU);
+The routes are tried in the order of ``factory.snapshot_routes`` (default ``routes.ROUTES``: shell state, then CRIU);
 narrow it (``(ShellStateRoute(),)``) to never use CRIU. Forks find the route that made a snapshot by its name.
 
 When the shell ends (``exit``, ``exec false``, a kill), the call returns what it printed and a note, with
@@ -33,29 +35,25 @@ outcome from then on is non-deterministic, so nothing it does is cached, and it 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import hashlib
 import json
 import os
-import threading
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..calls import ToolCall
-from ..errors import InvalidToolCall, SandboxError, SnapshotDeclined
-from ..protocol import Outcome, Snapshot
-from ._process import ShellResult, command_timeout, render_shell, run_in_worker, validated
-from ._pty_shell import PtyResult, PtyShell
-from .criu_route import CriuRoute
+from ...calls import ToolCall
+from ...errors import SandboxError, SnapshotDeclined
+from ...protocol import Outcome, Snapshot
 from .layers import Layer
-from .shell import ShellSandbox, ShellSandboxFactory, _hard_linked
+from .process import finish_in_thread, run_in_worker
+from .pty_shell import PtyShell
+from .routes import PERSISTENT_KIND, ROUTES, discard_process_state
+from .sandbox import ShellSandbox, ShellSandboxFactory, _hard_linked, register_persistent_sandbox
+from .session import NEW_SHELL_NOTE, PersistentShellCalls, persistent_command
 from .shell_state import (
     ShellLaunch,
     ShellState,
-    ShellStateRoute,
     SnapshotPlace,
     SnapshotRoute,
     SnapshotStrategy,
@@ -63,24 +61,12 @@ from .shell_state import (
     route_of,
 )
 
-__all__ = ["PERSISTENT_KIND", "ROUTES", "PersistentShellSandbox", "discard_process_state"]
-
-# Every route a persistent shell snapshot can take, the cheapest first; forks look a snapshot's route up here.
-ROUTES: tuple[SnapshotStrategy, ...] = (ShellStateRoute(), CriuRoute())
-
-PERSISTENT_KIND = "shell-persistent"
-NEW_SHELL_NOTE = "[a new shell was started: the previous one ended; its variables, functions and jobs are gone]"
+# PERSISTENT_KIND, ROUTES and discard_process_state live in ``routes`` (the factory needs them and cannot import
+# this module); they stay importable from here.
+__all__ = ["NEW_SHELL_NOTE", "PERSISTENT_KIND", "ROUTES", "PersistentShellSandbox", "discard_process_state"]
 
 
-def _ended_note(code: int | None) -> str:
-    how = "" if code is None else (f" with code {code}" if code >= 0 else f" (killed by signal {-code})")
-    return (
-        f"[the shell ended{how}; the next call starts a new shell in the same files, "
-        "and nothing this sandbox does is cached from now on]"
-    )
-
-
-class PersistentShellSandbox(ShellSandbox):
+class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
     """One overlay sandbox with one long-lived shell. Calls are serialised; blocking work runs in threads."""
 
     def __init__(self, factory: ShellSandboxFactory, layers: list[Layer], image: dict[str, Any] | None) -> None:
@@ -97,7 +83,7 @@ class PersistentShellSandbox(ShellSandbox):
         factory = self._factory
         mount_fd = self._require_open()
 
-        def start(boot: str, last_pid: int | None) -> PtyShell:
+        def cold(boot: str, last_pid: int | None) -> PtyShell:
             return PtyShell(
                 factory.zygote,
                 bash=factory.bash,
@@ -107,71 +93,44 @@ class PersistentShellSandbox(ShellSandbox):
                 last_pid=last_pid,
             )
 
+        def restored(boot: str, last_pid: int | None) -> PtyShell:
+            # A restored shell: a warm one when the factory has one ready (see ``warm``), else a cold one. A new
+            # shell stays cold: its first directory and PWD come from its start, not from a captured state.
+            pool = factory.warm_pool()
+            warm = pool.take() if pool is not None else None
+            if pool is not None and warm is not None and pool.resumed(warm, mount_fd, boot, last_pid) is not None:
+                return warm
+            return cold(boot, last_pid)
+
         if image is None:
-            return start("", None)
-        return route_of(image, ROUTES).restore(ShellLaunch(fresh=start, mount_fd=mount_fd), image)
+            return cold("", None)
+        return route_of(image, ROUTES).restore(ShellLaunch(fresh=restored, mount_fd=mount_fd), image)
 
     # ---------------------------------------------------------- execute
 
     async def execute(self, call: ToolCall) -> Outcome:
-        _, arguments = validated(call, self._factory.tools)
-        timeout = command_timeout(arguments, self._factory.timeout)
-        command = arguments["cmd"]
-        if "\x00" in command:
-            raise InvalidToolCall("tool 'sh': a command cannot contain NUL characters (bash never sees them)")
+        command, timeout = persistent_command(call, self._factory.tools, self._factory.timeout)
         async with self._lock:
             self._require_open()
-            run = functools.partial(self._run_command, command, timeout)
+            run = functools.partial(self._run_command, command, timeout, "")
             try:
                 result, restarted, code = await run_in_worker(run, self._kill_shell)
             except OSError as error:
                 raise SandboxError(f"cannot run a command in the persistent shell: {error}") from error
         return self._render(result, restarted, code, timeout)
 
-    def _run_command(
-        self, command: str, timeout: float, abandon: threading.Event
-    ) -> tuple[PtyResult, bool, int | None]:
-        restarted = False
-        if self._shell is None or not self._shell.alive:
-            if self._shell is not None:
-                self._shell.close()
-            self._shell = None
-            self._untrusted = self._untrusted or "its shell ended"
-            self._shell = self._start_shell(None)
-            restarted = True
-        shell = self._shell
-        result = shell.run(command, timeout=timeout, limit=self._factory.max_output_bytes, abandon=abandon)
-        code = None
-        if result.died:
-            self._untrusted = "its shell ended"
-            code = shell.spawned.returncode if shell.spawned is not None else None
-        return result, restarted, code
+    def _new_shell(self, what: str) -> PtyShell:
+        return self._start_shell(None)
 
-    def _render(self, result: PtyResult, restarted: bool, code: int | None, timeout: float) -> Outcome:
-        plain = ShellResult(
-            output=result.output,
-            total_bytes=result.total_bytes,
-            returncode=result.status or 0,
-            timed_out=result.timed_out,
-            escaped=False,
-        )
-        outcome = render_shell(plain, self._factory.max_output_bytes, timeout)
-        text = outcome.output
-        if result.died:
-            text += ("" if not text or text.endswith("\n") else "\n") + _ended_note(code)
-        if restarted:
-            text = NEW_SHELL_NOTE + "\n" + text
-        return Outcome(
-            output=text,
-            is_error=outcome.is_error or result.died,
-            changed_state=True,
-            deterministic=outcome.deterministic and self._untrusted is None,
-        )
+    def _ended_code(self, shell: PtyShell) -> int | None:
+        return shell.spawned.returncode if shell.spawned is not None else None
 
-    def _kill_shell(self) -> None:
-        shell = self._shell
-        if shell is not None:
-            shell.kill()
+    def _ended_note(self, code: int | None) -> str:
+        how = "" if code is None else (f" with code {code}" if code >= 0 else f" (killed by signal {-code})")
+        return (
+            f"[the shell ended{how}; the next call starts a new shell in the same files, "
+            "and nothing this sandbox does is cached from now on]"
+        )
 
     # --------------------------------------------------------- snapshots
 
@@ -181,13 +140,11 @@ class PersistentShellSandbox(ShellSandbox):
             self._require_open()
             if dest.exists():
                 raise SandboxError(f"snapshot destination {dest} already exists; pass a path that does not exist")
-            work = asyncio.ensure_future(asyncio.to_thread(self._snapshot, dest))
-            try:
-                route, image, stack, new_bytes = await asyncio.shield(work)
-            except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await work
-                raise
+            # Cancelled (once or again), the snapshot still ends before the lock goes, and a process image it made
+            # for a snapshot no one will record is deleted.
+            route, image, stack, new_bytes = await finish_in_thread(
+                functools.partial(self._snapshot, dest), undo=lambda made: discard_process_state({"shell": made[1]})
+            )
             self._store.acquire(stack)  # the snapshot's own references
             layers = [str(layer.path) for layer in stack]
             meta = {"layers": layers, "route": route.value, "shell": image}
@@ -283,7 +240,8 @@ class PersistentShellSandbox(ShellSandbox):
         its forks. A shell that does not answer the capture digests as unique."""
         async with self._lock:
             self._require_open()
-            return await asyncio.to_thread(self._digest)
+            # Cancelled, the capture still ends before the lock goes: a call let in meanwhile would type into it.
+            return await finish_in_thread(self._digest)
 
     def _digest(self) -> str:
         files = self._state_digest()
@@ -302,14 +260,6 @@ class PersistentShellSandbox(ShellSandbox):
             shell.close()
         super()._teardown()
 
-    @property
-    def trusted(self) -> bool:
-        """False once the shell ended (or could not be restored): nothing this sandbox does is cached."""
-        return self._untrusted is None
 
-
-def discard_process_state(meta: Mapping[str, Any]) -> None:
-    """Delete what a persistent shell snapshot keeps besides its layers (a CRIU image); for factory.discard."""
-    image = meta.get("shell")
-    if isinstance(image, Mapping) and image.get("route") is not None:
-        route_of(image, ROUTES).discard(image)
+# The factory (``sandbox``) builds its persistent sandboxes with this class; see the docstring of ``sandbox``.
+register_persistent_sandbox(PersistentShellSandbox)

@@ -8,9 +8,10 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .records import CallRecord, RunResult
+
 if TYPE_CHECKING:
-    from .demo import CallRecord, RunResult
-    from .workloads.base import Workload
+    from ..workloads.base import Workload
 
 MODE_LABELS = {"uncached": "no cache", "naive": "naive call-keyed cache", "tvcache-nosnap": "tvcache, no snapshots",
                "tvcache": "tvcache"}  # fmt: skip

@@ -20,7 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Layer", "LayerStore", "default_store_root", "upper_digest"]
+__all__ = ["Layer", "LayerStore", "default_store_root", "process_tag", "upper_digest"]
 
 _counter = itertools.count()
 SQUASHED = "-squashed"  # the name suffix of a layer that holds a whole merged stack, base included
@@ -34,7 +34,7 @@ def default_store_root() -> Path:
     return Path(tempfile.gettempdir()) / "tvcache-layers"
 
 
-def _process_tag(pid: int) -> str | None:
+def process_tag(pid: int) -> str | None:
     """``pid-starttime``: unique for a process across pid reuse (None when the process is gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
@@ -109,7 +109,7 @@ class LayerStore:
         self.root = Path(root) if root is not None else default_store_root()
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_orphans()
-        tag = _process_tag(os.getpid())
+        tag = process_tag(os.getpid())
         self.directory = self.root / f"{tag}-{next(_counter)}"
         for sub in ("layers", "uppers"):
             (self.directory / sub).mkdir(parents=True)
@@ -123,7 +123,7 @@ class LayerStore:
         for entry in self.root.iterdir():
             pid, _, rest = entry.name.partition("-")
             start = rest.split("-", 1)[0]
-            if not pid.isdigit() or _process_tag(int(pid)) == f"{pid}-{start}":
+            if not pid.isdigit() or process_tag(int(pid)) == f"{pid}-{start}":
                 continue
             shutil.rmtree(entry, ignore_errors=True)
 

@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 # The C library this interpreter is linked with (dlopen(NULL)); ctypes.util.find_library would run ldconfig, and
-# would weigh down the zygote process (see _zygote_process), which imports this module.
+# would weigh down the zygote process (see zygote_process), which imports this module.
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long

@@ -22,6 +22,13 @@ prints a ready marker. Each command is then typed as ONE line::
   and ``PIPESTATUS`` as they were. ERR traps are listed at the trap's top level (functions do not see them);
   DEBUG and RETURN traps only by the epilogue, a traced function, which reports them with every status.
 
+A *warm* shell (``PtyShell.warm``) is started ahead of a fork, before its tree exists: its boot script stops
+after the protocol functions and waits, reading the rest of its boot (a snapshot's state) from a pipe on
+descriptor 3; ``resume`` has the zygote attach the tree, sends the state with the namespace's last PID (written
+through descriptor 4), and the boot closes both descriptors, restarts ``$SECONDS`` (as every boot does) and goes
+on exactly as a cold shell's boot does. Nothing in between reads the terminal or starts a process, so the shell
+a fork gets cannot tell it waited (but for its process start time, as ``ps`` shows it).
+
 bash is PID 1 of its own PID namespace, as a container's shell is: when it ends, everything it started dies,
 and ``kill -9 $$`` from inside is ignored (the kernel protects a namespace's init from its own processes).
 """
@@ -45,13 +52,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import SandboxError
-from ._zygote import Spawned, Zygote
+from ...errors import SandboxError
+from .zygote import Spawned, Zygote
 
-__all__ = ["CAPTURE_SIGNAL", "PtyResult", "PtyShell", "Terminal", "ansi_c_quote"]
+__all__ = ["CAPTURE_SIGNAL", "OutputCollector", "PtyResult", "PtyShell", "ShellGone", "Terminal", "ansi_c_quote"]
 
 CAPTURE_SIGNAL = signal.SIGRTMAX
 READY = b"\n@@tvcache-ready@@\n"
+WAITING = b"\n@@tvcache-waiting@@\n"
 STATE_BEGIN = b"\n@@tvcache-state-begin@@\n"
 STATE_END = b"\n@@tvcache-state-end@@\n"
 WINDOW = (24, 80)  # rows, columns: fixed, so that `ls`, `COLUMNS` and wrapping are the same in every shell
@@ -94,8 +102,20 @@ builtin declare -g __tvcache_u="${@: -1}"
 __tvcache_tail() { builtin unset -v __tvcache_u; builtin printf '@@tvcache-state-end@@\n'; }
 trap '__tvcache_capture "$?" "$#" "$@" "$_"; builtin trap -p ERR; __tvcache_tail "$__tvcache_u"' SIGRTMAX
 """
-BOOT_HEAD = "unset -v __TVCACHE_BOOT PROMPT_COMMAND; PS1=; PS2=; set +o history\n"
+# ``SECONDS=0``: every shell's $SECONDS counts from its boot, a warm shell's from its resume (WARM_HEAD) - and the
+# assignment leaves the same trace in ``declare -p`` (a value, no -i) in each, before the state could set -a.
+BOOT_HEAD = "unset -v __TVCACHE_BOOT PROMPT_COMMAND; PS1=; PS2=; set +o history; SECONDS=0\n"
 BOOT_TAIL = "builtin printf '\\n%s\\n' '@@tvcache-ready@@'\n"
+# A warm shell's boot stops here until its state arrives (descriptors: see zygote_process.WARM_BOOT_FD).
+WARM_WAIT = "builtin printf '\\n%s\\n' '@@tvcache-waiting@@'\n" "builtin source /dev/fd/3\n"
+# The head of what ``resume`` sends: the namespace's last PID, then both descriptors closed (plain ``exec``: behind
+# ``builtin`` the redirections would be undone; no user function or alias exists yet to shadow it). ``source``
+# read the whole pipe before running any of it.
+# A shell that cannot set its last PID (the capability to write ns_last_pid was dropped) ends before it is ready:
+# the fork then gets a cold shell, whose PID is set before its exec.
+WARM_HEAD = "builtin printf %s {last_pid} >&4 || builtin exit 97\nexec 3<&- 4>&-\nSECONDS=0\n"
+_PIPE_BYTES = 1 << 18  # the boot pipe holds a whole boot script (MAX_BOOT_BYTES), so writing it never blocks
+_F_SETPIPE_SZ = 1031
 # Sourced (not evaluated): `source` keeps the line counter, so $LINENO of the first command is 1 in every shell.
 BOOT_COMMAND = 'source /dev/stdin <<< "$__TVCACHE_BOOT"'
 
@@ -124,7 +144,7 @@ class PtyResult:
     died: bool
 
 
-class _Collector:
+class OutputCollector:
     """The first ``limit`` bytes of a command's output, and a count of all of them."""
 
     def __init__(self, limit: int) -> None:
@@ -139,7 +159,7 @@ class _Collector:
         self.total += len(data)
 
 
-class _Dead(Exception):
+class ShellGone(Exception):
     """The shell's end of the pty closed: bash (PID 1, and with it its namespace) is gone."""
 
 
@@ -183,15 +203,48 @@ class PtyShell:
         boot: str = "",
         last_pid: int | None = None,
     ) -> None:
+        self._launch(
+            zygote, bash, env, boot=BOOT_HEAD + PROTOCOL + boot + BOOT_TAIL, mount_fd=mount_fd, last_pid=last_pid
+        )
+
+    @classmethod
+    def warm(cls, zygote: Zygote, *, bash: str, env: Mapping[str, str]) -> PtyShell:
+        """A shell started before its sandbox: confined, at the point of its boot where it waits for ``resume``."""
+        shell = cls.__new__(cls)
+        shell._launch(zygote, bash, env, boot=BOOT_HEAD + PROTOCOL + WARM_WAIT + BOOT_TAIL, mount_fd=None)
+        return shell
+
+    def _launch(
+        self,
+        zygote: Zygote,
+        bash: str,
+        env: Mapping[str, str],
+        *,
+        boot: str,
+        mount_fd: int | None,
+        last_pid: int | None = None,
+    ) -> None:
+        """Start bash on a new terminal, until it prints the ready marker (with ``mount_fd`` None: a warm
+        shell, until it waits for its state)."""
         terminal = Terminal.open()
         self._setup(terminal)
         slave = terminal.slave
+        boot_read = -1
         try:
-            environment = {**env, "__TVCACHE_BOOT": BOOT_HEAD + PROTOCOL + boot + BOOT_TAIL}
+            environment = {**env, "__TVCACHE_BOOT": boot}
             environment["PROMPT_COMMAND"] = BOOT_COMMAND
             argv = [bash, "--norc", "--noprofile", "--noediting", "-i"]
+            if mount_fd is None:
+                boot_read, self._boot_pipe = os.pipe2(os.O_CLOEXEC)
+                fcntl.fcntl(self._boot_pipe, _F_SETPIPE_SZ, _PIPE_BYTES)
             self.spawned = zygote.spawn(
-                argv, env=environment, mount_fd=mount_fd, output_fd=slave, terminal=True, last_pid=last_pid
+                argv,
+                env=environment,
+                mount_fd=-1 if mount_fd is None else mount_fd,
+                output_fd=slave,
+                terminal=True,
+                last_pid=last_pid,
+                warm_boot_fd=boot_read if mount_fd is None else None,
             )
             os.close(slave)
             slave = -1
@@ -199,16 +252,53 @@ class PtyShell:
             if self.spawned.pid is None:
                 raise SandboxError(f"the persistent shell did not start: {'; '.join(self.spawned.errors)}")
             self.pid = self.spawned.pid
-            collected = _Collector(4096)
-            if not self._read_until(READY, time.monotonic() + START_SECONDS, collected):
+            collected = OutputCollector(4096)
+            if not self._read_until(
+                READY if mount_fd is not None else WAITING, time.monotonic() + START_SECONDS, collected
+            ):
                 raise SandboxError("the persistent shell did not become ready within 10 s")
-        except _Dead:
+        except ShellGone:
             errors = "; ".join(self.spawned.errors) if self.spawned is not None else ""
             self.close()
             raise SandboxError(f"the persistent shell ended while starting: {errors or 'no error reported'}") from None
         except BaseException:
             if slave >= 0:
                 os.close(slave)
+            self.close()
+            raise
+        finally:
+            if boot_read >= 0:
+                os.close(boot_read)
+
+    def resume(self, mount_fd: int, boot: str, last_pid: int | None) -> None:
+        """Bring a warm shell onto its sandbox: attach the tree ``mount_fd``, send the rest of its boot (as a cold
+        shell's ``boot`` and ``last_pid``), and wait until it is ready. SandboxError (the shell closed) if not."""
+        pipe = self._boot_pipe
+        if pipe < 0 or self.spawned is None:
+            raise SandboxError("this shell is not a warm shell waiting for its state")
+        self._boot_pipe = -1
+        deadline = time.monotonic() + START_SECONDS
+        try:
+            try:
+                self.spawned.attach(mount_fd, START_SECONDS)
+                head = WARM_HEAD.format(last_pid=int(last_pid) if last_pid is not None and last_pid > 1 else 1)
+                data = (head + boot).encode("utf-8", errors="surrogateescape")
+                if len(data) > _PIPE_BYTES:
+                    raise SandboxError(f"a boot script of {len(data)} bytes does not fit the boot pipe")
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(pipe, view) :]
+            finally:
+                os.close(pipe)
+            if not self._read_until(READY, deadline, OutputCollector(4096)):
+                raise SandboxError("the warm shell did not become ready within 10 s")
+        except ShellGone:
+            self.close()
+            raise SandboxError("the warm shell ended while taking its state") from None
+        except OSError as error:
+            self.close()
+            raise SandboxError(f"the warm shell could not take its state: {error}") from error
+        except BaseException:
             self.close()
             raise
 
@@ -225,6 +315,7 @@ class PtyShell:
         self.firing_traps = False  # a DEBUG or RETURN trap is set (reported by every epilogue)
         self.spawned = None
         self.pid = 0
+        self._boot_pipe = -1  # a warm shell's, until resume
 
     @classmethod
     def adopt(
@@ -241,10 +332,10 @@ class PtyShell:
     # ------------------------------------------------------------------ reading
 
     def _read_until(
-        self, token: bytes, deadline: float, into: _Collector, abandon: threading.Event | None = None
+        self, token: bytes, deadline: float, into: OutputCollector, abandon: threading.Event | None = None
     ) -> bool:
         """Move bytes before ``token`` into ``into`` and drop the token; False at the deadline (the bytes read so
-        far are in ``into``, except a tail that may be the start of the token). Raises _Dead at end of file."""
+        far are in ``into``, except a tail that may be the start of the token). Raises ShellGone at end of file."""
         keep = len(token) - 1
         while True:
             index = self._buffer.find(token)
@@ -260,7 +351,7 @@ class PtyShell:
                 return False
             try:
                 self._read_some(remaining)
-            except _Dead:
+            except ShellGone:
                 # No token can come any more: the held-back tail is output too (``printf abc; exit 3``
                 # prints ``abc`` before the shell ends, as the harness's terminal shows it).
                 into.add(self._buffer)
@@ -275,10 +366,10 @@ class PtyShell:
             chunk = os.read(self._master, _CHUNK)
         except OSError as error:
             if error.errno == errno.EIO:  # the last descriptor of the slave closed
-                raise _Dead from None
+                raise ShellGone from None
             raise
         if not chunk:
-            raise _Dead
+            raise ShellGone
         self._buffer += chunk
 
     def _status_line(self, deadline: float) -> tuple[int, int] | None:
@@ -304,7 +395,7 @@ class PtyShell:
                 written = os.write(self._master, view)
             except OSError as error:
                 if error.errno == errno.EIO:
-                    raise _Dead from None
+                    raise ShellGone from None
                 raise
             view = view[written:]
         return True
@@ -328,7 +419,7 @@ class PtyShell:
     def run(self, command: str, *, timeout: float, limit: int, abandon: threading.Event | None = None) -> PtyResult:
         """Type one command and wait for its sentinel. A timeout interrupts the foreground job (SIGINT, then
         SIGKILL) and resynchronises; the shell lives on unless even that fails, when it is killed."""
-        collected = _Collector(limit)
+        collected = OutputCollector(limit)
         sentinel = secrets.token_hex(16)
         line = f'eval {ansi_c_quote(command)} </dev/null; {{ __tvcache_end {sentinel} $LINENO $? "$_"; }} 2>/dev/null\n'
         data = line.encode()
@@ -348,21 +439,21 @@ class PtyShell:
                     return self._result(collected, data, self.status, timed_out=False)
             self._recover(collected)
             return self._result(collected, data, None, timed_out=True)
-        except _Dead:
+        except ShellGone:
             self.close()
             return self._result(collected, data, None, timed_out=False, died=True)
 
     def _result(
-        self, collected: _Collector, line: bytes, status: int | None, *, timed_out: bool, died: bool = False
+        self, collected: OutputCollector, line: bytes, status: int | None, *, timed_out: bool, died: bool = False
     ) -> PtyResult:
         kept, total = bytes(collected.kept), collected.total
         if kept.startswith(line):  # `set -v` echoes each line bash reads, our protocol line included
             kept, total = kept[len(line) :], total - len(line)
         return PtyResult(output=kept, total_bytes=total, status=status, timed_out=timed_out, died=died)
 
-    def _recover(self, collected: _Collector) -> None:
+    def _recover(self, collected: OutputCollector) -> None:
         """After a timeout: SIGINT to the terminal's foreground job, then SIGKILL to it, each followed by a
-        resynchronising line; when the shell itself still does not answer, kill it (raises _Dead)."""
+        resynchronising line; when the shell itself still does not answer, kill it (raises ShellGone)."""
         sentinel = secrets.token_hex(16)
         line = f'{{ __tvcache_end {sentinel} $LINENO $? "$_"; }} 2>/dev/null\n'.encode()
         token = f"\n{sentinel} ".encode()
@@ -375,7 +466,7 @@ class PtyShell:
                 self.spawned.send_signal(signal.SIGINT)  # bash itself is busy (a loop in the shell)
             self._reset_terminal()
             deadline = time.monotonic() + GRACE_SECONDS
-            ignored = _Collector(0)
+            ignored = OutputCollector(0)
             if self._write(line, deadline) and self._read_until(token, deadline, ignored):
                 numbers = self._status_line(time.monotonic() + GRACE_SECONDS)
                 if numbers is not None:
@@ -395,12 +486,12 @@ class PtyShell:
     def synchronise(self, line: str, sentinel: str, deadline: float) -> tuple[int, int] | None:
         """Type ``line`` (which ends with the epilogue for ``sentinel``), drop its output, return its line number
         and status; None when it does not answer by ``deadline``."""
-        ignored = _Collector(0)
+        ignored = OutputCollector(0)
         try:
             self._reset_terminal()
             if self._write(line.encode(), deadline) and self._read_until(f"\n{sentinel} ".encode(), deadline, ignored):
                 return self._status_line(deadline + GRACE_SECONDS)
-        except _Dead:
+        except ShellGone:
             self.close()
         return None
 
@@ -413,12 +504,12 @@ class PtyShell:
         if self.spawned is None or not self.wait_idle() or not _catches(self.pid, CAPTURE_SIGNAL):
             return None  # busy, or the default action of SIGRTMAX: it would terminate the shell
         self._reset_terminal()
-        before = _Collector(MAX_STATE_BYTES)
+        before = OutputCollector(MAX_STATE_BYTES)
         deadline = time.monotonic() + CAPTURE_SECONDS
         try:
             if not self.spawned.send_signal(CAPTURE_SIGNAL):
                 return None
-            state = _Collector(MAX_STATE_BYTES)
+            state = OutputCollector(MAX_STATE_BYTES)
             if (
                 not self._read_until(STATE_BEGIN, deadline, before)
                 or not self._read_until(STATE_END, deadline, state)
@@ -426,7 +517,7 @@ class PtyShell:
             ):
                 self.close()
                 return None
-        except _Dead:
+        except ShellGone:
             self.close()
             return None
         # Anything printed before the marker (a prompt after the last command) belongs to the next command.
@@ -499,6 +590,9 @@ class PtyShell:
             spawned.kill()
             spawned.wait(None)
             spawned.close()
+        if self._boot_pipe >= 0:
+            os.close(self._boot_pipe)
+            self._boot_pipe = -1
         os.close(self._master)
 
 

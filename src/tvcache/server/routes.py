@@ -1,0 +1,139 @@
+"""The native API's route table (``tvcache.api.routes``) bound to a ``CacheService``: one code path from a request's
+bytes to the answer's, and from an exception to its refusal (``tvcache.api.errors``).
+
+The Starlette app (``tvcache.server.app``) wraps it in endpoints; a Ray shard actor calls ``dispatch`` with what
+the HTTP client would have sent (``tvcache.integrations.ray.shards``). Neither maps an error or a route itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from ..api.errors import METHOD_NOT_ALLOWED, NOT_FOUND, VALIDATION, ErrorCode, code_of, error_body
+from ..api.routes import ROUTES, Route
+from ..api.routes import route as find_route
+from ..errors import InvalidInput
+from .metrics import Histogram
+
+__all__ = ["Dispatcher", "Refused", "Reply", "refusal"]
+
+JSON = "application/json"
+PROMETHEUS = "text/plain; version=0.0.4"
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """An answer: its status, its body and the body's media type."""
+
+    status: int
+    body: bytes
+    media_type: str = JSON
+
+
+class Refused(Exception):
+    """A request the HTTP layer refuses before any operation runs (too large, a bad query parameter)."""
+
+    def __init__(self, code: ErrorCode, message: str, detail: Any = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.detail = code, message, detail
+
+
+def dumps(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def refused(code: ErrorCode, message: str, detail: Any = None, *, error: BaseException | None = None) -> Reply:
+    return Reply(code.status, error_body(code, message, detail, error=error))
+
+
+def refusal(error: BaseException) -> Reply | None:
+    """The answer to ``error`` raised while serving a request (None: not a refusal, let it propagate)."""
+    if isinstance(error, Refused):
+        return refused(error.code, error.message, error.detail)
+    if isinstance(error, ValidationError):
+        details = [
+            {"loc": list(item["loc"]), "msg": item["msg"], "type": item["type"]}
+            for item in error.errors(include_url=False, include_context=False, include_input=False)
+        ]
+        first = details[0] if details else {"loc": [], "msg": "invalid"}
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        return refused(VALIDATION, f"{where}: {first['msg']}", details)
+    code = code_of(error)
+    if code is None:
+        return None
+    return refused(code, str(error), error=error)
+
+
+def encode(route: Route, result: Any) -> Reply:
+    if isinstance(result, BaseModel):
+        return Reply(200, result.model_dump_json().encode())
+    if isinstance(result, str):
+        return Reply(200, result.encode(), PROMETHEUS)
+    return Reply(200, dumps(result))
+
+
+class Dispatcher:
+    """The routes of ``ROUTES`` served by ``service`` (``on="service"``) and by ``handlers`` (by handler name:
+    the ``on="server"`` routes, and any service handler the HTTP process serves its own way). Routes with neither
+    are not served here (a Ray shard has no ``/healthz``)."""
+
+    def __init__(
+        self, service: object, *, latency: Histogram, handlers: Mapping[str, Callable[..., Any]] | None = None
+    ) -> None:
+        self.latency = latency
+        own = dict(handlers or {})
+        self.handlers: dict[tuple[str, str], Callable[..., Any]] = {}
+        for route in ROUTES:
+            handler = own.get(route.handler)
+            if handler is None and route.on == "service":
+                handler = getattr(service, route.handler)
+            if handler is not None:
+                self.handlers[(route.method, route.path)] = handler
+
+    def served(self) -> list[Route]:
+        return [route for route in ROUTES if (route.method, route.path) in self.handlers]
+
+    async def answer(self, route: Route, body: bytes | None, params: Mapping[str, str]) -> Reply:
+        """Serve ``route``: the body validated by its model (a POST) or its query parameters (a GET)."""
+        try:
+            handler = self.handlers[(route.method, route.path)]
+            if route.body is not None:
+                args: tuple[Any, ...] = (route.body.model_validate_json(body or b""),)
+                kwargs: dict[str, Any] = {}
+            else:
+                args, kwargs = (), self._query(route, params)
+            started = time.perf_counter()
+            result = handler(*args, **kwargs)
+            if asyncio.iscoroutine(result):
+                result = await result
+            if route.timed:
+                self.latency.observe(route.path, time.perf_counter() - started)
+            return encode(route, result)
+        except Exception as error:
+            answer = refusal(error)
+            if answer is None:
+                raise
+            return answer
+
+    async def dispatch(self, method: str, path: str, body: bytes | None, params: Mapping[str, str]) -> Reply:
+        """Serve ``method path`` as the HTTP app would, routing included."""
+        route = find_route(method, path)
+        if route is not None and (method, path) in self.handlers:
+            return await self.answer(route, body, params)
+        if any(key[1] == path for key in self.handlers):
+            return refused(METHOD_NOT_ALLOWED, f"{method} is not allowed on {path}")
+        return refused(NOT_FOUND, f"no route {method} {path}")
+
+    @staticmethod
+    def _query(route: Route, params: Mapping[str, str]) -> dict[str, Any]:
+        try:
+            return {param.name: param.parse(params) for param in route.query}
+        except InvalidInput as error:
+            raise Refused(VALIDATION, str(error)) from error

@@ -1,0 +1,503 @@
+"""The architecture's rules, checked on the source (stdlib ``ast``, nothing is imported or executed).
+
+Three rules over every module of ``src/tvcache`` and ``src/cacherouter`` (a module is a ``.py`` file in a
+directory chain that has ``__init__.py`` all the way up; ``cacherouter/evaldata`` holds scripts run as data,
+not modules, and is not walked):
+
+1. **No import cycle between modules, type-only ones included.** Every import statement is an edge: at module
+   level, under ``if TYPE_CHECKING:``, inside functions and ``try`` blocks (a lazy import is still a dependency,
+   it only moves the failure to run time), and ``importlib.import_module("literal")``. Relative imports are
+   resolved; ``from pkg import name`` is an edge to ``pkg.name`` when that is a submodule, else to ``pkg``.
+   How packages count: importing ``a.b.c`` executes ``a/__init__`` and ``a/b/__init__`` first, so the importer
+   also depends on each package on the way *unless it lies inside that package* (a module's own enclosing
+   packages are already in ``sys.modules`` when it runs, so reaching a sibling as ``from a.b.sibling import x``
+   depends on the sibling only). Reading a package's namespace is different: ``from a.b import name`` (name not
+   a submodule) or ``import a.b`` depends on ``a/b/__init__`` having run, so it is an edge to ``a.b`` even from
+   inside ``a.b`` -- and if that ``__init__`` re-exports from its submodules, the cycle is real.
+2. **No underscore names across packages** (a package is a directory). A ``_private`` component of an imported
+   path -- a module (``import x._y``, ``from ._y import z``), a package, or a name (``from x import _y``), or an
+   attribute read through an imported module or name (``import x.y as m; m._z``, ``from x import C; C._z``)
+   -- may be used only from modules in
+   the directory that holds it, or from inside the private module/package itself. Dunders are public.
+3. **Session and the server use no private name of Cache or its store.** In ``tvcache/session.py`` and every
+   module under ``tvcache/server/``, no ``<expr>._name`` is read or written where ``<expr>`` is anything but
+   ``self``, ``cls`` or ``super()`` (and no ``getattr``/``setattr``/``hasattr``/``delattr`` with a literal
+   ``"_name"`` on such an object). An object's privates belong to its own methods; the AST cannot tell a Cache
+   from another object, so the rule holds for every object -- what these modules need from others gets a
+   public name. Paths rooted at an imported name (``Cache._x``, ``module._x``) are rule 2's business, which
+   also applies them everywhere: a ``_name`` reached through something imported from another package is
+   crossing it just as ``from x import _name`` is.
+
+The checker is tested on small planted trees below, so the rules on the real tree can fail for real.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict, deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+ROOTS = ("tvcache", "cacherouter")
+# Modules whose objects must not be reached into (rule 3), as dotted names or package prefixes.
+NO_PRIVATE_ACCESS = ("tvcache.session", "tvcache.server")
+ACCESSORS = {"getattr", "setattr", "hasattr", "delattr"}
+
+
+# --------------------------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True, kw_only=True)
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+
+    @property
+    def package(self) -> str:
+        """The dotted name of the directory holding this module (for a package's ``__init__``, itself)."""
+        return self.name if self.is_package else self.name.rpartition(".")[0]
+
+    def where(self, line: int) -> str:
+        """``path:line`` from the source root (``tvcache/cache.py:12``)."""
+        depth = len(self.name.split(".")) - (0 if self.is_package else 1)
+        return f"{self.path.relative_to(self.path.parents[depth]).as_posix()}:{line}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Imported:
+    """One thing a module imports: the full dotted path of the module or name, and the module it lands in."""
+
+    path: tuple[str, ...]
+    module: str
+    namespace: bool  # reads the package's namespace (a name from it, or binds the package itself)
+    line: int
+
+
+@dataclass(kw_only=True)
+class Tree:
+    modules: dict[str, Module]
+    edges: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+
+    def successors(self) -> dict[str, set[str]]:
+        graph: dict[str, set[str]] = defaultdict(set)
+        for source, target in self.edges:
+            graph[source].add(target)
+        return graph
+
+
+def discover(src: Path, roots: Iterable[str]) -> dict[str, Module]:
+    modules: dict[str, Module] = {}
+
+    def walk(directory: Path, dotted: str) -> None:
+        if not (directory / "__init__.py").is_file():
+            return
+        for path in sorted(directory.iterdir()):
+            if path.is_dir():
+                walk(path, f"{dotted}.{path.name}")
+            elif path.suffix == ".py":
+                is_package = path.name == "__init__.py"
+                name = dotted if is_package else f"{dotted}.{path.stem}"
+                modules[name] = Module(name=name, path=path, is_package=is_package)
+
+    for root in roots:
+        walk(src / root, root)
+    return modules
+
+
+def parse(module: Module) -> ast.Module:
+    return ast.parse(module.path.read_text(encoding="utf-8"), filename=str(module.path))
+
+
+def _base(module: Module, level: int, name: str | None) -> str:
+    parts = module.package.split(".")
+    if level > 1:
+        parts = parts[: len(parts) - (level - 1)]
+    base = ".".join(parts)
+    return f"{base}.{name}" if name else base
+
+
+def _longest_module(path: tuple[str, ...], modules: dict[str, Module]) -> str | None:
+    for end in range(len(path), 0, -1):
+        dotted = ".".join(path[:end])
+        if dotted in modules:
+            return dotted
+    return None
+
+
+def imports_of(module: Module, tree: ast.Module, modules: dict[str, Module]) -> Iterator[Imported]:
+    """Every import in the module, wherever it sits, resolved to our modules (others are skipped)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                path = tuple(alias.name.split("."))
+                target = _longest_module(path, modules)
+                if target is not None:
+                    yield Imported(path=path, module=target, namespace=True, line=node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            source = _base(module, node.level, node.module) if node.level else (node.module or "")
+            for alias in node.names:
+                if alias.name == "*":
+                    path, namespace = tuple(source.split(".")), True
+                else:
+                    path = (*source.split("."), alias.name)
+                    namespace = ".".join(path) not in modules
+                target = _longest_module(path, modules)
+                if target is not None:
+                    yield Imported(path=path, module=target, namespace=namespace, line=node.lineno)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "importlib"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and not node.args[0].value.startswith(".")
+        ):
+            path = tuple(node.args[0].value.split("."))
+            target = _longest_module(path, modules)
+            if target is not None:
+                yield Imported(path=path, module=target, namespace=True, line=node.lineno)
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def dependencies(importer: Module, imported: Imported, modules: dict[str, Module]) -> Iterator[str]:
+    """The modules whose execution this import depends on (see the module docstring)."""
+    parts = imported.module.split(".")
+    for end in range(1, len(parts)):
+        package = ".".join(parts[:end])
+        if package in modules and not _inside(importer.name, package):
+            yield package
+    if imported.namespace or not _inside(importer.name, imported.module):
+        yield imported.module
+
+
+def build(src: Path, roots: Iterable[str]) -> Tree:
+    modules = discover(src, roots)
+    tree = Tree(modules=modules)
+    for module in modules.values():
+        for imported in imports_of(module, parse(module), modules):
+            for target in dependencies(module, imported, modules):
+                if target != module.name:
+                    tree.edges.setdefault((module.name, target), []).append(imported.line)
+    return tree
+
+
+# --------------------------------------------------------------------------------------------- rule 1: cycles
+
+
+def strongly_connected(graph: dict[str, set[str]], nodes: Iterable[str]) -> list[list[str]]:
+    """Tarjan's algorithm; returns the components with more than one module, each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph.get(node, ())):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(nodes):
+        if node not in index:
+            visit(node)
+    return sorted(components)
+
+
+def shortest_cycle(graph: dict[str, set[str]], members: list[str]) -> list[str]:
+    """A shortest cycle through the component's first module (breadth first inside the component)."""
+    start, inside = members[0], set(members)
+    came_from: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for successor in sorted(graph.get(node, ())):
+            if successor == start:
+                cycle = [node]
+                while cycle[-1] != start:
+                    cycle.append(came_from[cycle[-1]])
+                return [*reversed(cycle), start]
+            if successor in inside and successor not in came_from:
+                came_from[successor] = node
+                queue.append(successor)
+    raise AssertionError(f"no cycle through {start}")  # a component of two or more always has one
+
+
+def cycle_report(tree: Tree) -> list[str]:
+    graph = tree.successors()
+    report = []
+    for members in strongly_connected(graph, tree.modules):
+        inside = set(members)
+        lines = [f"import cycle among {len(members)} modules: {' -> '.join(shortest_cycle(graph, members))}"]
+        for (source, target), sites in sorted(tree.edges.items()):
+            if source in inside and target in inside:
+                where = ", ".join(tree.modules[source].where(line) for line in sorted(set(sites)))
+                lines.append(f"    {source} -> {target}  ({where})")
+        report.append("\n".join(lines))
+    return report
+
+
+# --------------------------------------------------------------------------------------------- rule 2: privates
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_crossing(importer: Module, path: tuple[str, ...], modules: dict[str, Module]) -> str | None:
+    """The first underscore component of ``path`` the importer may not use, as a dotted path, or None.
+
+    A component belongs to the directory holding the module it is found in (a private module to the directory
+    beside it, a private name or class attribute to the directory of the module defining it)."""
+    for position, part in enumerate(path):
+        if not _private(part):
+            continue
+        holder = _longest_module(path[:position], modules)
+        if holder is not None and importer.package == modules[holder].package:
+            continue
+        if _inside(importer.name, ".".join(path[: position + 1])):
+            continue
+        return ".".join(path[: position + 1])
+    return None
+
+
+def module_aliases(module: Module, tree: ast.Module, modules: dict[str, Module]) -> dict[str, tuple[str, ...]]:
+    """Names the module binds by import to one of our modules or to a name in one, with the dotted path they
+    stand for (approximate: per module, not per scope)."""
+    aliases: dict[str, tuple[str, ...]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in modules:
+                    aliases[alias.asname] = tuple(alias.name.split("."))
+                elif not alias.asname and alias.name.split(".")[0] in modules:
+                    aliases[alias.name.split(".")[0]] = (alias.name.split(".")[0],)
+        elif isinstance(node, ast.ImportFrom):
+            source = _base(module, node.level, node.module) if node.level else (node.module or "")
+            if _longest_module(tuple(source.split(".")), modules) is None:
+                continue
+            for alias in node.names:
+                if alias.name != "*":
+                    aliases[alias.asname or alias.name] = (*source.split("."), alias.name)
+    return aliases
+
+
+def _dotted(node: ast.expr) -> tuple[str, ...] | None:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return (node.id, *reversed(parts))
+    return None
+
+
+def private_report(tree: Tree) -> list[str]:
+    report = []
+    for module in tree.modules.values():
+        syntax = parse(module)
+        found: dict[tuple[int, str], str] = {}
+        for imported in imports_of(module, syntax, tree.modules):
+            crossing = private_crossing(module, imported.path, tree.modules)
+            if crossing:
+                found[(imported.line, crossing)] = "imports"
+        aliases = module_aliases(module, syntax, tree.modules)
+        for node in ast.walk(syntax):
+            if not isinstance(node, ast.Attribute) or not _private(node.attr):
+                continue
+            dotted = _dotted(node)
+            if dotted is None or dotted[0] not in aliases:
+                continue
+            crossing = private_crossing(module, (*aliases[dotted[0]], *dotted[1:]), tree.modules)
+            if crossing:
+                found[(node.lineno, crossing)] = "reads"
+        for (line, crossing), verb in sorted(found.items()):
+            report.append(f"{module.where(line)}: {module.name} {verb} {crossing}")
+    return sorted(report)
+
+
+# --------------------------------------------------------------------------------------------- rule 3: reaching in
+
+
+def _own(node: ast.expr) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in {"self", "cls"}
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+
+
+def reach_in_report(tree: Tree, prefixes: Iterable[str] = NO_PRIVATE_ACCESS) -> list[str]:
+    report = []
+    for module in tree.modules.values():
+        if not any(_inside(module.name, prefix) for prefix in prefixes):
+            continue
+        syntax = parse(module)
+        aliases = module_aliases(module, syntax, tree.modules)
+        external_modules = {
+            alias.asname or alias.name.split(".")[0]
+            for node in ast.walk(syntax)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        }
+        for node in ast.walk(syntax):
+            if isinstance(node, ast.Attribute) and _private(node.attr) and not _own(node.value):
+                root = _dotted(node.value)
+                if root is not None and (root[0] in aliases or root[0] in external_modules):
+                    continue  # reached through an import: rule 2's business if ours, not ours otherwise
+                report.append(f"{module.where(node.lineno)}: {module.name} uses {ast.unparse(node)}")
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ACCESSORS
+                and len(node.args) >= 2
+                and not _own(node.args[0])
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and _private(node.args[1].value)
+            ):
+                report.append(f"{module.where(node.lineno)}: {module.name} uses {ast.unparse(node)}")
+    return sorted(report)
+
+
+# --------------------------------------------------------------------------------------------- the real tree
+
+
+def test_no_import_cycles() -> None:
+    report = cycle_report(build(SRC, ROOTS))
+    assert not report, f"{len(report)} import cycle(s); break one edge of each:\n" + "\n".join(report)
+
+
+def test_no_private_names_across_packages() -> None:
+    report = private_report(build(SRC, ROOTS))
+    assert not report, f"{len(report)} underscore name(s) used across packages:\n" + "\n".join(report)
+
+
+def test_session_and_server_use_no_private_names_of_others() -> None:
+    report = reach_in_report(build(SRC, ROOTS))
+    assert not report, f"{len(report)} private attribute(s) of other objects used:\n" + "\n".join(report)
+
+
+def test_the_checker_sees_the_real_tree() -> None:
+    tree = build(SRC, ROOTS)
+    assert "tvcache.session" in tree.modules
+    assert "tvcache.server" in tree.modules
+    assert ("tvcache", "tvcache.session") in tree.edges  # tvcache/__init__ re-exports Session
+
+
+# --------------------------------------------------------------------------------------------- the checker itself
+
+
+def plant(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_checker_finds_cycles_through_type_checking_and_function_imports(tmp_path: Path) -> None:
+    src = plant(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n",
+            "pkg/b.py": "def f():\n    from pkg import c\n",
+            "pkg/c.py": "import pkg.a\n",
+            "pkg/d.py": "from . import a\n",
+        },
+    )
+    report = cycle_report(build(src, ["pkg"]))
+    assert len(report) == 1
+    assert report[0].startswith("import cycle among 3 modules: pkg.a -> pkg.b -> pkg.c -> pkg.a")
+    assert "pkg.a -> pkg.b  (pkg/a.py:3)" in report[0]
+    assert "pkg.b -> pkg.c  (pkg/b.py:2)" in report[0]
+
+
+def test_checker_counts_package_inits_as_the_interpreter_runs_them(tmp_path: Path) -> None:
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/sub/__init__.py": "from .x import X\n",
+        "pkg/sub/x.py": "X = 1\n",
+        "pkg/sub/y.py": "from pkg.sub.x import X\n",  # a sibling, reached directly: no edge to pkg.sub
+        "pkg/other.py": "from pkg.sub.y import X\n",  # outside pkg.sub: runs pkg/sub/__init__ first
+    }
+    tree = build(plant(tmp_path / "direct", files), ["pkg"])
+    assert not cycle_report(tree)
+    assert ("pkg.other", "pkg.sub") in tree.edges
+    assert ("pkg.sub.y", "pkg.sub") not in tree.edges
+    assert ("pkg", "pkg.sub") not in tree.edges
+
+    # The same sibling reached through the package that re-exports it is a real cycle.
+    files["pkg/sub/__init__.py"] = "from .x import X\nfrom .y import X as Y\n"
+    files["pkg/sub/x.py"] = "from pkg.sub import Y\n"
+    report = cycle_report(build(plant(tmp_path / "through", files), ["pkg"]))
+    assert len(report) == 1
+    assert "pkg.sub.x -> pkg.sub  (pkg/sub/x.py:1)" in report[0]
+
+
+def test_checker_finds_private_names_across_packages_only(tmp_path: Path) -> None:
+    src = plant(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/_helpers.py": "def _f(): pass\ndef g(): pass\n",
+            "pkg/same.py": "from ._helpers import _f\nfrom pkg._helpers import g\n",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/far.py": "from .._helpers import g\nfrom pkg.same import _f\nimport pkg.same as s\ns._f()\n",
+            "pkg/sub/_inner.py": "",
+            "pkg/sub/near.py": "from . import _inner\n",
+        },
+    )
+    assert private_report(build(src, ["pkg"])) == [
+        "pkg/sub/far.py:1: pkg.sub.far imports pkg._helpers",
+        "pkg/sub/far.py:2: pkg.sub.far imports pkg.same._f",
+        "pkg/sub/far.py:4: pkg.sub.far reads pkg.same._f",
+    ]
+
+
+def test_checker_finds_private_attributes_of_other_objects(tmp_path: Path) -> None:
+    src = plant(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/_mod.py": "",
+            "pkg/service.py": (
+                "import os\nfrom pkg import _mod\n"
+                "class S:\n"
+                "    def f(self, cache):\n"
+                "        self._x = cache.lookup()\n"
+                "        with self._cache._lock:\n"
+                "            getattr(cache, '_graphs')\n"
+                "        os._exit(0)\n"
+                "        super()._f()\n"
+            ),
+            "pkg/other.py": "def f(cache):\n    return cache._lock\n",
+        },
+    )
+    assert reach_in_report(build(src, ["pkg"]), ["pkg.service"]) == [
+        "pkg/service.py:6: pkg.service uses self._cache._lock",
+        "pkg/service.py:7: pkg.service uses getattr(cache, '_graphs')",
+    ]
