@@ -22,12 +22,13 @@ prints a ready marker. Each command is then typed as ONE line::
   and ``PIPESTATUS`` as they were. ERR traps are listed at the trap's top level (functions do not see them);
   DEBUG and RETURN traps only by the epilogue, a traced function, which reports them with every status.
 
-A *warm* shell (``PtyShell.warm``) is started ahead of a fork, before its tree exists: its boot script stops
-after the protocol functions and waits, reading the rest of its boot (a snapshot's state) from a pipe on
-descriptor 3; ``resume`` has the zygote attach the tree, sends the state with the namespace's last PID (written
-through descriptor 4), and the boot closes both descriptors, restarts ``$SECONDS`` (as every boot does) and goes
-on exactly as a cold shell's boot does. Nothing in between reads the terminal or starts a process, so the shell
-a fork gets cannot tell it waited (but for its process start time, as ``ps`` shows it).
+A *warm* shell (``PtyShell.warm``) is started ahead of a fork, before its tree exists: its boot script stops after
+the protocol functions and the first step of every restore (``RESET_VARIABLES``) and waits, reading the rest of its
+boot (a snapshot's state) from a pipe on descriptor 3; ``resume`` has the zygote attach the tree, sends the state
+with the namespace's last PID (written through descriptor 4), and the boot closes both descriptors, restarts
+``$SECONDS`` (as every boot does) and goes on exactly as a cold shell's boot does. Nothing in between reads the
+terminal or starts a process, so the shell a fork gets cannot tell it waited (but for its process start time, as
+``ps`` shows it).
 
 bash is PID 1 of its own PID namespace, as a container's shell is: when it ends, everything it started dies,
 and ``kill -9 $$`` from inside is ignored (the kernel protects a namespace's init from its own processes).
@@ -43,6 +44,7 @@ import re
 import secrets
 import select
 import signal
+import string
 import struct
 import termios
 import threading
@@ -106,8 +108,26 @@ trap '__tvcache_capture "$?" "$#" "$@" "$_"; builtin trap -p ERR; __tvcache_tail
 # assignment leaves the same trace in ``declare -p`` (a value, no -i) in each, before the state could set -a.
 BOOT_HEAD = "unset -v __TVCACHE_BOOT PROMPT_COMMAND; PS1=; PS2=; set +o history; SECONDS=0\n"
 BOOT_TAIL = "builtin printf '\\n%s\\n' '@@tvcache-ready@@'\n"
+# bash's dynamic and read-only variables: never unset (they would lose their meaning), never restored, not
+# compared. COLUMNS/LINES are ordinary here: bash sets them after a command, so they are state like the rest.
+DYNAMIC = frozenset(
+    """BASH BASHOPTS BASHPID BASH_ALIASES BASH_ARGC BASH_ARGV BASH_ARGV0 BASH_CMDS BASH_COMMAND
+    BASH_EXECUTION_STRING BASH_LINENO BASH_SOURCE BASH_SUBSHELL BASH_VERSINFO BASH_VERSION COMP_WORDBREAKS
+    DIRSTACK EPOCHREALTIME EPOCHSECONDS EUID FUNCNAME GROUPS HISTCMD LINENO PIPESTATUS PPID RANDOM SECONDS
+    SHELLOPTS SRANDOM UID _""".split()
+)
+# The first line of a restored shell's boot (``ShellState.boot_script``): unset every variable but the dynamic
+# ones, so that the snapshot's declarations alone define the rest. It is most of the boot's time (53 scans of
+# the variables); a warm shell runs it before it waits, where its variables are the ones it would unset after
+# (nothing in between sets one), and ``resume`` sends the rest of the boot only.
+RESET_VARIABLES = (
+    "for __tvcache_n in "
+    + " ".join(f"${{!{letter}@}}" for letter in string.ascii_letters + "_")
+    + f"; do case $__tvcache_n in {'|'.join(sorted(DYNAMIC))}) ;; "
+    + '*) builtin unset -v "$__tvcache_n" ;; esac; done; builtin unset -v __tvcache_n\n'
+)
 # A warm shell's boot stops here until its state arrives (descriptors: see zygote_process.WARM_BOOT_FD).
-WARM_WAIT = "builtin printf '\\n%s\\n' '@@tvcache-waiting@@'\n" "builtin source /dev/fd/3\n"
+WARM_WAIT = RESET_VARIABLES + "builtin printf '\\n%s\\n' '@@tvcache-waiting@@'\n" "builtin source /dev/fd/3\n"
 # The head of what ``resume`` sends: the namespace's last PID, then both descriptors closed (plain ``exec``: behind
 # ``builtin`` the redirections would be undone; no user function or alias exists yet to shadow it). ``source``
 # read the whole pipe before running any of it.
@@ -280,6 +300,9 @@ class PtyShell:
         deadline = time.monotonic() + START_SECONDS
         try:
             try:
+                if not boot.startswith(RESET_VARIABLES):
+                    raise SandboxError("a warm shell takes a restored shell's boot only (it unset its variables)")
+                boot = boot[len(RESET_VARIABLES) :]
                 self.spawned.attach(mount_fd, START_SECONDS)
                 head = WARM_HEAD.format(last_pid=int(last_pid) if last_pid is not None and last_pid > 1 else 1)
                 data = (head + boot).encode("utf-8", errors="surrogateescape")

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import os
 import re
 import secrets
-import string
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ...errors import SandboxError, SnapshotDeclined
-from .pty_shell import GRACE_SECONDS, PtyShell, ansi_c_quote
+from .pty_shell import DYNAMIC, GRACE_SECONDS, RESET_VARIABLES, PtyShell, ansi_c_quote
 from .zygote import Confinement
 
 __all__ = [
@@ -56,20 +56,14 @@ __all__ = [
     "route_of",
 ]
 
-# bash's dynamic and read-only variables: never unset (they would lose their meaning), never restored, not
-# compared. COLUMNS/LINES are ordinary here: bash sets them after a command, so they are state like the rest.
-DYNAMIC = frozenset(
-    """BASH BASHOPTS BASHPID BASH_ALIASES BASH_ARGC BASH_ARGV BASH_ARGV0 BASH_CMDS BASH_COMMAND
-    BASH_EXECUTION_STRING BASH_LINENO BASH_SOURCE BASH_SUBSHELL BASH_VERSINFO BASH_VERSION COMP_WORDBREAKS
-    DIRSTACK EPOCHREALTIME EPOCHSECONDS EUID FUNCNAME GROUPS HISTCMD LINENO PIPESTATUS PPID RANDOM SECONDS
-    SHELLOPTS SRANDOM UID _""".split()
-)
 # Set by the line that ends a fork's boot, so that the typed padding lines print no prompt and run nothing.
 PROMPT_VARIABLES = ("PS0", "PS1", "PROMPT_COMMAND")
 UNSETTABLE_OPTIONS = ("login_shell", "restricted_shell")
 FIRING_TRAPS = ("DEBUG", "RETURN", "ERR")
 MAX_BOOT_BYTES = 100_000  # the boot script travels in an environment variable (128 KiB at most)
 _SECTION = re.compile(r"^@@tvcache:([a-z-]+)@@$", re.MULTILINE)
+_SHOPT_LINE = re.compile(r"^shopt (-[su]) ([a-z0-9_]+)$")
+_SET_LINE = re.compile(r"^set ([-+]o [a-z-]+)$")
 _DECLARATION = re.compile(r"^declare -(\S+) ([A-Za-z_][A-Za-z0-9_]*)(=|$)")
 
 
@@ -191,11 +185,8 @@ class ShellState:
 
     def boot_script(self) -> str:
         """The script a fresh shell sources at boot to take this state (before the prompt variables)."""
-        names = " ".join(f"${{!{letter}@}}" for letter in string.ascii_letters + "_")
-        keep = "|".join(sorted(DYNAMIC))
         out = [
-            f"for __tvcache_n in {names}; do case $__tvcache_n in {keep}) ;; "
-            '*) builtin unset -v "$__tvcache_n" ;; esac; done; builtin unset -v __tvcache_n',
+            RESET_VARIABLES.rstrip("\n"),
             f"builtin cd -P -- {ansi_c_quote(self.lines('cwd')[1])} || :",
         ]
         # Plain `declare`: behind `builtin`, bash would not parse array assignments. No user function or alias
@@ -211,20 +202,45 @@ class ShellState:
         args = self.lines("args")
         out.append("builtin set -- " + " ".join(args[1:]) if args[1:] else "builtin set --")
         # The compatNN options follow BASH_COMPAT (restored with the variables); setting them would unset it.
-        out += [
-            f"builtin {line}"
-            for line in self.lines("shopt")
-            if line.split()[-1] not in UNSETTABLE_OPTIONS and not line.split()[-1].startswith("compat")
-        ]
+        out += _merged_options(
+            [
+                line
+                for line in self.lines("shopt")
+                if line.split()[-1] not in UNSETTABLE_OPTIONS and not line.split()[-1].startswith("compat")
+            ]
+        )
         traps = self.lines("traps") + self.lines("top-traps")
         out += [f"builtin {line}" for line in traps if not line.endswith(" SIGRTMAX")]
-        out += [f"builtin {line}" for line in self.lines("set")]
+        out += _merged_options(self.lines("set"))
         out += [f"builtin {line}" for line in self.lines("aliases")]
         return "\n".join(line for line in out if line) + "\n"
 
     def prompt_script(self) -> str:
         variables = self.variables()
         return "\n".join(f"builtin {variables[name]}" for name in PROMPT_VARIABLES if name in variables)
+
+
+def _merged_options(lines: list[str]) -> list[str]:
+    """``shopt -s a``/``set +o b`` lines as ``builtin`` commands, consecutive ones merged into one command
+    (``shopt -s a c``, ``set +o b -o d``): each builtin sets its options in the order given, as the lines would,
+    and a boot of fewer commands is quicker for bash to run. A line of another shape stays a command of its own."""
+    out: list[str] = []
+    merged = ""  # the command being extended: "shopt -s", "shopt -u" or "set", with its names
+    for line in lines:
+        shopt, toggle = _SHOPT_LINE.match(line), _SET_LINE.match(line)
+        verb = f"shopt {shopt.group(1)}" if shopt else "set" if toggle else None
+        if merged and (verb is None or not merged.startswith(verb + " ")):
+            out.append(f"builtin {merged}")
+            merged = ""
+        if shopt:
+            merged = (merged or verb or "") + f" {shopt.group(2)}"
+        elif toggle:
+            merged = (merged or "set") + f" {toggle.group(1)}"
+        else:
+            out.append(f"builtin {line}")
+    if merged:
+        out.append(f"builtin {merged}")
+    return out
 
 
 def probe(shell: PtyShell, untrusted: str | None, confinement: Confinement) -> ShellProbe:
@@ -331,13 +347,24 @@ def verify(
         raise SandboxError(
             "the restored shell did not answer the state capture; rebuilding the state by replay instead"
         )
-    expected = ShellState.parse(str(image["state"]).encode("utf-8", errors="surrogateescape"))
     actual = ShellState.parse(data)
-    if actual.canonical() != expected.canonical() and (moved_on is None or not moved_on(expected, actual)):
+    if actual.canonical() != _canonical(str(image["state"])) and (
+        moved_on is None or not moved_on(ShellState.parse(_encoded(str(image["state"]))), actual)
+    ):
         raise SandboxError(
             "the restored shell's state differs from the snapshot's; rebuilding the state by replay instead"
         )
     return actual
+
+
+def _encoded(state: str) -> bytes:
+    return state.encode("utf-8", errors="surrogateescape")
+
+
+@functools.lru_cache(maxsize=8)
+def _canonical(state: str) -> str:
+    """The canonical form of a snapshot's captured state, kept for the next fork of the same snapshot."""
+    return ShellState.parse(_encoded(state)).canonical()
 
 
 def _synchronise(shell: PtyShell, image: Mapping[str, Any]) -> None:
