@@ -3,8 +3,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tvcache.server.service import CacheService
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -29,3 +33,14 @@ def tiny_filesystem(tmp_path: Path) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.fixture
+def service() -> Iterator["CacheService"]:
+    """A fresh in-memory server service (tests that need a budget define their own). Imported here, not at the
+    top: a venv that runs only some tests need not have the server's dependencies."""
+    from tvcache.server.service import CacheService
+
+    service = CacheService()
+    yield service
+    service.close()

@@ -18,13 +18,6 @@ from server_support import TASKS, populate_dashboard
 
 
 @pytest.fixture
-def service() -> Iterator[CacheService]:
-    service = CacheService()
-    yield service
-    service.close()
-
-
-@pytest.fixture
 def client(service: CacheService) -> Iterator[httpx.Client]:
     with ServerThread(service) as thread, httpx.Client(base_url=thread.url, timeout=10) as client:
         yield client

@@ -26,13 +26,6 @@ URL = "http://tvcache.test"
 
 
 @pytest.fixture
-def service() -> Iterator[CacheService]:
-    service = CacheService()
-    yield service
-    service.close()
-
-
-@pytest.fixture
 def transport(service: CacheService) -> Iterator[InProcessTransport]:
     with InProcessTransport(create_app(service)) as transport:
         yield transport

@@ -35,13 +35,6 @@ async def run(cache: Cache, factory: KVFactory, calls: list[tuple[str, dict]], t
 
 
 @pytest.fixture
-def service() -> Iterator[CacheService]:
-    service = CacheService()
-    yield service
-    service.close()
-
-
-@pytest.fixture
 def server(service: CacheService) -> Iterator[ServerThread]:
     with ServerThread(service) as thread:
         yield thread
