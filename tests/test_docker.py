@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -36,8 +37,10 @@ from tvcache import AlwaysSnapshot, Budget, Cache, CostAwareSnapshots, ToolCall
 from tvcache.errors import SandboxError, SnapshotDeclined
 from tvcache.sandboxes import DockerSandbox, ShellSandbox
 from tvcache.sandboxes.docker import OWNER_LABEL, DockerCommands, docker_available, remove_orphans
+from tvcache.sandboxes.docker_engine import CONTAINER_CAPABILITIES
 from tvcache.sandboxes.image import inspect_image
-from tvcache.sandboxes.shell.linux import overlay_supported
+from tvcache.sandboxes.shell.limits import DEFAULT_LIMITS, SandboxLimits
+from tvcache.sandboxes.shell.linux import KEPT_CAPABILITIES, overlay_supported
 
 __all__ = [  # the contract suite, run here over the docker and image backends (the ``backend`` fixture below)
     "test_discard_removes_the_snapshot_and_forking_it_then_fails",
@@ -150,6 +153,36 @@ def test_commands_are_argument_vectors_without_a_shell() -> None:
     assert commands.remove_container("n") == ["docker", "rm", "--force", "--volumes", "n"]
     assert commands.remove_image("i") == ["docker", "image", "rm", "--force", "i"]
     assert "--workdir" not in DockerCommands().exec("n", "ls", 1)  # the image's own WORKDIR by default
+
+
+def test_containers_keep_only_the_shell_sandboxes_capabilities_and_their_limits() -> None:
+    argv = DockerCommands().run("img", "name")
+    assert "--privileged" not in argv
+    assert not {"--volume", "-v", "--mount"} & set(argv)  # no host mount
+    assert argv[argv.index("--cap-drop") : argv.index("--cap-drop") + 2] == ["--cap-drop", "ALL"]
+    added = [argv[index + 1] for index, option in enumerate(argv) if option == "--cap-add"]
+    assert added == list(CONTAINER_CAPABILITIES)
+    assert {f"CAP_{name}" for name in added} == set(KEPT_CAPABILITIES) - {"CAP_CHECKPOINT_RESTORE"}
+    assert argv[argv.index("--security-opt") + 1] == "no-new-privileges"
+    assert argv[argv.index("--pids-limit") + 1] == str(DEFAULT_LIMITS.pids)
+    memory = f"{DEFAULT_LIMITS.memory_bytes}b"
+    assert argv[argv.index("--memory") + 1] == argv[argv.index("--memory-swap") + 1] == memory  # no swap beyond
+    assert argv[argv.index("--cpus") + 1] == f"{DEFAULT_LIMITS.cpus:g}"
+    shell = DockerCommands().run_shell("img", "name", {}, create_only=True)
+    assert (
+        shell[shell.index("--cap-drop") : shell.index("--security-opt") + 2]
+        == argv[argv.index("--cap-drop") : argv.index("--security-opt") + 2]
+    )  # persistent shells, restored ones included, are confined alike
+    factory = DockerSandbox.factory("img", limits=SandboxLimits(pids=64, memory_bytes=64 << 20, cpus=0.5))
+    limited = factory.commands.run("img", "name")
+    assert limited[limited.index("--pids-limit") + 1] == "64"
+    assert limited[limited.index("--memory") + 1] == str(64 << 20) + "b"
+    assert limited[limited.index("--cpus") + 1] == "0.5"
+    unlimited = DockerSandbox.factory("img", limits=None).commands.run("img", "name")
+    assert not {"--pids-limit", "--memory", "--memory-swap", "--cpus"} & set(unlimited)
+    assert "--cap-drop" in unlimited  # capabilities are not a limit: always dropped
+    with pytest.raises(ValueError, match="at least 6 MiB"):
+        DockerCommands(limits=SandboxLimits(memory_bytes=1 << 20))
 
 
 def test_podman_runs_get_the_ulimits_it_needs_here() -> None:
@@ -319,6 +352,90 @@ def test_faults_are_clear_errors_and_a_dead_container_is_never_trusted_again(eng
             await DockerSandbox.factory("tvcache-no-such-image:1", persistent=True).start()
         with pytest.raises(SandboxError, match="the image needs bash"):
             await DockerSandbox.factory(no_bash, persistent=True).start()
+
+    run(main())
+
+
+def test_a_container_keeps_only_its_capabilities(engine: None) -> None:
+    kept = sum(1 << number for name, number in KEPT_CAPABILITIES.items() if name != "CAP_CHECKPOINT_RESTORE")
+
+    async def main() -> None:
+        factory = DockerSandbox.factory(BASE)
+        sandbox = await factory.start()
+        try:
+            status = (await sandbox.execute(sh("grep ^Cap /proc/self/status"))).output
+            sets = dict(line.split(":\t") for line in status.splitlines())
+            assert {name: int(value, 16) for name, value in sets.items()} == {
+                "CapInh": 0, "CapPrm": kept, "CapEff": kept, "CapBnd": kept, "CapAmb": 0,
+            }  # fmt: skip
+        finally:
+            await sandbox.stop()
+            factory.close()
+
+    run(main())
+
+
+# Small limits, so that the fork bomb and the memory hog hit them fast (the defaults are 1024 pids, 2 GiB).
+SMALL_LIMITS = SandboxLimits(pids=128, memory_bytes=128 << 20, cpus=1.0, tmpfs_bytes=None)
+HOSTILE = {  # the command, and the limit it hits
+    "fork-bomb": (":(){ :|:& };:; sleep 3", "pids"),
+    "memory-hog": ("head -c 512M /dev/zero | tail -n 1 >/dev/null", "memory"),
+}
+
+
+@pytest.mark.parametrize("hostile", sorted(HOSTILE))
+@pytest.mark.parametrize("persistent", [False, True], ids=["one-shot", "persistent"])
+def test_a_limit_hit_ends_the_call_clearly_and_untrusts_the_container(
+    engine: None, persistent: bool, hostile: str
+) -> None:
+    command, kind = HOSTILE[hostile]
+    note = SMALL_LIMITS.describe(kind)  # "the sandbox hit its process limit of 128", as the shell sandboxes say
+
+    async def main() -> None:
+        factory = DockerSandbox.factory(BASE, limits=SMALL_LIMITS, persistent=persistent)
+        try:
+            sandbox = await factory.start()
+            assert sandbox.counters_missing is None  # the engine runs here: its cgroups are read on this machine
+            outcome = await asyncio.wait_for(sandbox.execute(sh(command, timeout=30)), 60)
+            assert outcome.output.endswith(f"[{note}]")
+            assert outcome.is_error
+            assert not outcome.deterministic
+            with pytest.raises(SandboxError, match=f"no longer trusted.*{re.escape(note)}"):
+                await sandbox.execute(sh("echo hi"))
+            with pytest.raises(SnapshotDeclined, match=re.escape(note)):
+                await sandbox.snapshot(Path(f"/tmp/tvcache-never-{os.getpid()}"))
+            await sandbox.stop()
+            fresh = await factory.start()  # a new container of the factory works as ever
+            assert (await fresh.execute(sh("echo ok"))).output == "ok\n"
+            await fresh.stop()
+        finally:
+            factory.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["one-shot", "persistent"])
+def test_a_limit_hit_after_a_call_returned_is_reported_by_the_next(engine: None, persistent: bool) -> None:
+    async def main() -> None:
+        factory = DockerSandbox.factory(BASE, limits=SMALL_LIMITS, persistent=persistent)
+        sandbox = await factory.start()
+        try:
+            # A fork bomb in the background, a moment after its call returned.
+            first = await sandbox.execute(sh("(sleep 0.5; :(){ :|:& };:) >/dev/null 2>&1 & echo started"))
+            assert "started" in first.output
+            counters = sandbox._counters
+            assert counters is not None
+            for _ in range(600):  # bounded: 30 s at most
+                if counters.hit_since(sandbox._mark) is not None:
+                    break
+                await asyncio.sleep(0.05)
+            with pytest.raises(SandboxError, match="hit its process limit of 128"):
+                await sandbox.execute(sh("echo hi"))
+            with pytest.raises(SandboxError, match="no longer trusted.*process limit"):
+                await sandbox.execute(sh("echo hi"))
+        finally:
+            await sandbox.stop()
+            factory.close()
 
     run(main())
 

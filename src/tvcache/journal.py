@@ -14,6 +14,10 @@ journal: ``journal.torn-<UTC time>`` for a torn tail, ``journal.damaged-<UTC tim
 What a damaged line held is the caller's to judge (``salvage`` reads what is still legible); ``Journal.scan`` says
 what was found. A lock file keeps a second process from writing the same journal, and a ``journal.compact`` left
 by a process killed while compacting is removed on load.
+
+The journal holds every call of every rollout and its output: its directory is 0700 and each file 0600, whatever
+the umask (``tvcache.private_storage``), and a directory or journal an older version left readable is tightened
+when it is opened.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import JournalError
+from .private_storage import FILE_MODE, make_private, private_directory
 
 __all__ = ["DamagedLine", "Journal", "JournalScan", "JournalWarning", "Rewrite", "decode", "salvage"]
 
@@ -151,8 +156,9 @@ class Journal:
         self.records_written = 0
         self.scan = JournalScan()
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+            private_directory(self.directory)
+            self._lock_fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
+            make_private(self.directory / "lock")
         except OSError as error:
             raise JournalError(f"cannot open cache directory {self.directory}: {error}") from error
         try:
@@ -225,7 +231,8 @@ class Journal:
 
     def _open_for_append(self) -> None:
         if self._fd < 0:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+            make_private(self.path)  # one an older version wrote 0644
             self._end = os.fstat(self._fd).st_size
 
     def append(self, record: dict[str, Any]) -> None:
@@ -279,7 +286,7 @@ class Journal:
         with self._lock:
             set_aside = self._set_aside([data for _, data in dropped]) if dropped else None
             try:
-                with open(tmp, "wb") as handle:
+                with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as handle:
                     for record in records:
                         handle.write(_encode(record))
                         count += 1
@@ -306,7 +313,7 @@ class Journal:
         for attempt in range(1000):
             path = self.directory / (f"{prefix}{stamp}" + (f"-{attempt}" if attempt else ""))
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
             except FileExistsError:
                 continue
             except OSError as error:

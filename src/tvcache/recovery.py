@@ -12,7 +12,8 @@ know what it would serve wrongly.
 
 Leftovers of killed processes are removed: snapshot files the cache named itself under ``snapshots/`` that no
 record mentions (a kill between writing a snapshot and journaling it), and — in ``tvcache.journal`` — an
-interrupted compaction's ``journal.compact``.
+interrupted compaction's ``journal.compact``. Snapshots whose storage is gone (``tvcache.store.durable``) are
+dropped, their files under ``snapshots/`` removed, and counted in ``JournalRecovery.dropped``.
 """
 
 from __future__ import annotations
@@ -88,7 +89,10 @@ class JournalRecovery:
     one). ``torn_tail``: bytes of a write a crash left unfinished, truncated. ``recovered_marks``: tools marked
     non-deterministic again because a damaged line may have marked them. ``torn_copy``: where the torn tail was
     copied. ``set_aside``: copies of what compactions removed (damaged lines and the records that depended on
-    them). ``removed``: leftovers of killed processes (orphan snapshot files, an interrupted compaction)."""
+    them). ``removed``: leftovers of killed processes (orphan snapshot files, an interrupted compaction).
+    ``dropped``: the paths of snapshots dropped because their storage is gone (the layers of a shell snapshot die
+    with the process that made them unless it was published); what they left under ``snapshots/`` was removed.
+    Dropping one costs only reuse, so it is not a lost record."""
 
     journal: str
     damaged: tuple[DamagedRecord, ...] = ()
@@ -100,6 +104,7 @@ class JournalRecovery:
     recovered_marks: tuple[str, ...] = ()
     set_aside: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
 
     @property
     def lost_records(self) -> bool:
@@ -148,6 +153,11 @@ class JournalRecovery:
             )
         elif self.lost_records:
             parts.append("the damaged lines stay in the journal until a compaction copies them aside")
+        if self.dropped:
+            parts.append(
+                f"{len(self.dropped)} snapshot(s) whose storage is gone were dropped (a shell snapshot's layers end "
+                "with the process that made them unless it was published; their states are replayed when needed)"
+            )
         if not parts:
             return ""
         return f"{self.journal}: " + "; ".join(parts) + "."

@@ -34,10 +34,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .calls import ToolCall
+from .confinement import CONFINEMENT_CHECKS, ConfinementCheckFailed, ConfinementProbe, check_confinement
 from .errors import InvalidToolCall, SandboxError, TVCacheError, UnknownTool
 from .protocol import Outcome, Sandbox, SandboxFactory, Snapshot, state_digest
 
-__all__ = ["CHECKS", "SandboxCheckFailed", "SandboxProbe", "check_sandbox", "run_check"]
+__all__ = [
+    "CHECKS",
+    "CONFINEMENT_CHECKS",
+    "ConfinementCheckFailed",
+    "ConfinementProbe",
+    "SandboxCheckFailed",
+    "SandboxProbe",
+    "check_confinement",
+    "check_sandbox",
+    "run_check",
+]
 
 COST_HINTS = frozenset({"start", "fork", "snapshot"})
 

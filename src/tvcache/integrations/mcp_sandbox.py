@@ -3,10 +3,12 @@ initial state and forks come from snapshots (``tvcache mcp-proxy --sandbox-dir D
 
 The upstream's data directory ``DIR`` (a git repository, a memory file's folder, a database's folder) is the
 base tree of a shell sandbox factory (``ShellSandbox``): each sandbox sees it through an overlay of its own,
-attached at ``DIR``'s own path, with the rest of the host read-only, private ``/tmp``, ``/run`` and ``/dev/shm``,
-and no network. The upstream process runs confined there (PID 1 of its own namespaces, started by the factory's
-zygote); its stdin and stdout are one end of a socket pair, its stderr is discarded (it could only share the
-socket with the JSON-RPC stream). So the host's ``DIR`` never changes, and a fresh sandbox is the initial state.
+attached at ``DIR``'s own path, with a minimal view of the rest of the host, read-only (the system directories,
+an allowlist of ``/etc``, and what the upstream's program needs: ``_program_paths``; ``host_view`` on the
+factory lists it), private ``/tmp``, ``/run`` and ``/dev/shm``, and no network. The upstream process runs
+confined there (PID 1 of its own namespaces, started by the factory's zygote); its stdin and stdout are one
+end of a socket pair, its stderr is discarded (it could only share the socket with the JSON-RPC stream). So
+the host's ``DIR`` never changes, and a fresh sandbox is the initial state.
 
 A snapshot is the overlay's: the upstream is stopped first (stdin closed, a grace period, then killed), so its
 files are complete and no process writes into the frozen layer, and it is started again over the sandbox's new
@@ -97,9 +99,9 @@ class SandboxedUpstreams:
         self.data = data
         self.snapshots = snapshots
         self.command = list(settings.command)
-        self.files = ShellSandboxFactory(data, visible=_programs_under_private_dirs(self.command))
         self.environment = dict(os.environ if settings.env is None else settings.env)
         self.cwd = settings.cwd or os.getcwd()
+        self.files = ShellSandboxFactory(data, visible=_program_paths(self.command, data=data, cwd=self.cwd))
         self.process_starts = 0
         self._lock = threading.Lock()
         self._running: set[_UpstreamProcess] = set()
@@ -183,25 +185,95 @@ class SandboxedUpstreamFactory:
         return f"SandboxedUpstreamFactory({str(self.upstreams.data)!r}, command={self.upstreams.command!r})"
 
 
-def _programs_under_private_dirs(command: list[str]) -> tuple[str, ...]:
-    """The host directories the upstream's program lives in that the sandbox's private ``/tmp`` (and the like)
-    would hide: a checkout under /tmp whose venv or node_modules holds the server. The top directory below the
-    private one stays visible, read-only (the rest of the host is read-only too)."""
-    candidates: list[str] = []
+def _program_paths(command: list[str], *, data: Path, cwd: str) -> tuple[str, ...]:
+    """The host paths the upstream's program needs, which the sandbox's minimal view of the host would not show
+    (``ShellSandboxFactory.host_view``): each program's prefix (``.../bin/x`` -> ``...``) as named and as
+    resolved, with a script's interpreter; for a Python venv, the venv, its base interpreter's prefix and what
+    its ``.pth`` files add to ``sys.path`` (an editable install's source); the files the arguments name (a
+    script's directory, a whole ``node_modules`` tree); the working directory when arguments are relative to it.
+    The data directory is the sandbox's tree: nothing overlapping it is added."""
+    wanted: list[str] = []
     if command:
         found = shutil.which(command[0])
         if found is not None:
-            candidates += [os.path.abspath(found), os.path.realpath(found)]
-    candidates += [os.path.abspath(arg) for arg in command[1:] if os.path.isabs(arg) and os.path.exists(arg)]
-    visible: list[str] = []
-    for path in candidates:
-        for private in PRIVATE_DIRS:
-            relative = os.path.relpath(path, private)
-            if relative != "." and not relative.startswith(".."):
-                top = os.path.join(private, relative.split(os.sep)[0])
-                if os.path.isdir(top) and top not in visible:
-                    visible.append(top)
-    return tuple(visible)
+            for program in (os.path.abspath(found), *_interpreter(found)):
+                wanted += _program_prefixes(program)
+    for arg in command[1:]:
+        if os.path.isabs(arg) and os.path.exists(arg):
+            wanted.append(_tree_of(arg))
+        elif _names_a_file(arg) and os.path.exists(os.path.join(cwd, arg)):
+            wanted += [cwd, _tree_of(os.path.join(cwd, arg))]
+    shown: list[str] = []
+    for path in dict.fromkeys(os.path.abspath(path) for path in wanted):
+        overlaps = _below(path, str(data)) or _below(str(data), path)
+        if path != "/" and not overlaps and os.path.exists(path):
+            shown.append(path)
+    return tuple(path for path in shown if not any(other != path and _below(path, other) for other in shown))
+
+
+def _names_a_file(arg: str) -> bool:
+    """Whether a relative argument looks like a path (not an option, nor a bare word that may exist by chance)."""
+    return not arg.startswith("-") and (os.sep in arg or arg.endswith((".py", ".js", ".mjs", ".cjs")))
+
+
+def _below(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _interpreter(program: str) -> list[str]:
+    """The interpreter of a ``#!`` script (through ``env``), if any."""
+    try:
+        with open(program, "rb") as handle:
+            first = handle.readline(512)
+    except OSError:
+        return []
+    if not first.startswith(b"#!"):
+        return []
+    words = os.fsdecode(first[2:]).split()
+    if words and os.path.basename(words[0]) == "env":
+        words = [word for word in words[1:] if not word.startswith("-")]
+        found = shutil.which(words[0]) if words else None
+        return [found] if found else []
+    return words[:1] if words and os.path.isabs(words[0]) else []
+
+
+def _program_prefixes(program: str) -> list[str]:
+    prefixes = []
+    for path in dict.fromkeys([program, os.path.realpath(program)]):
+        directory = os.path.dirname(path)
+        prefix = os.path.dirname(directory) if os.path.basename(directory) == "bin" else directory
+        prefixes.append(prefix)
+        config = os.path.join(prefix, "pyvenv.cfg")
+        if os.path.isfile(config):
+            prefixes += _venv_paths(prefix, config)
+    return prefixes
+
+
+def _venv_paths(venv: str, config: str) -> list[str]:
+    """A venv's base interpreter's prefix (``home`` in ``pyvenv.cfg``) and the directories its ``.pth`` files
+    put on ``sys.path``."""
+    paths = []
+    with open(config, errors="replace") as lines:
+        for line in lines:
+            key, _, value = line.partition("=")
+            if key.strip() == "home" and os.path.isabs(value.strip()):
+                paths.append(os.path.dirname(os.path.realpath(value.strip())))
+    for pth in Path(venv).glob("lib/python*/site-packages/*.pth"):
+        with contextlib.suppress(OSError):
+            for line in pth.read_text(errors="replace").splitlines():
+                if os.path.isabs(line.strip()) and os.path.isdir(line.strip()):
+                    paths.append(line.strip())
+    return paths
+
+
+def _tree_of(path: str) -> str:
+    """What to show for a file an argument names: the tree above its first ``node_modules`` (node resolves
+    packages up from there), else its directory; a directory is shown whole."""
+    path = os.path.abspath(path)
+    parts = path.split(os.sep)
+    if "node_modules" in parts:
+        return os.sep.join(parts[: parts.index("node_modules")]) or os.sep
+    return path if os.path.isdir(path) else os.path.dirname(path)
 
 
 def _files_snapshot(snapshot: Snapshot, files: ShellSandboxFactory) -> Snapshot:

@@ -16,6 +16,7 @@ from .docker import DockerSandbox, DockerSandboxFactory
 from .folder import FolderSandbox, FolderSandboxFactory, FolderTool
 from .pool import PoolStats, WarmPool
 from .shell import persistent as _persistent  # noqa: F401  registers its sandbox class (see above)
+from .shell.limits import SandboxLimits
 from .shell.sandbox import ShellSandbox, ShellSandboxFactory
 from .sqlite import SQLiteSandbox, SQLiteSandboxFactory
 
@@ -28,6 +29,7 @@ __all__ = [
     "PoolStats",
     "SQLiteSandbox",
     "SQLiteSandboxFactory",
+    "SandboxLimits",
     "ShellSandbox",
     "ShellSandboxFactory",
     "WarmPool",

@@ -60,6 +60,7 @@ from .docker_engine import (
 )
 from .docker_shell import DockerShell, PersistentDockerSandbox, shell_environment
 from .folder import SH_TOOL
+from .shell.limits import DEFAULT_LIMITS, SandboxLimits
 
 # The engine layer's names that users of this module import from here stay importable from here.
 __all__ = [
@@ -226,10 +227,12 @@ class DockerSandboxFactory:
                 await self._check(self.commands.start_from_checkpoint(name, "snap"), "docker start --checkpoint", image)
             else:
                 await self._check(self.commands.run(image, name), "docker run", image)
+            sandbox = DockerSandbox(self, name, image)
+            await sandbox.watch_limits()
         except BaseException:
             await asyncio.shield(asyncio.to_thread(self.release_container, name))
             raise
-        return DockerSandbox(self, name, image)
+        return sandbox
 
     async def _launch_shell(
         self, image: str, name: str, checkpoint_dir: str | None, last_pid: int | None
@@ -251,7 +254,13 @@ class DockerSandboxFactory:
             if last_pid is not None and not await asyncio.to_thread(shell.set_last_pid, last_pid):
                 await asyncio.to_thread(shell.close)
                 raise SandboxError(f"docker sandbox {name}: cannot set the restored container's last PID (nsenter)")
-        return PersistentDockerSandbox(self, name, image, shell)
+        sandbox = PersistentDockerSandbox(self, name, image, shell)
+        try:
+            await sandbox.watch_limits(shell.pid)  # the shell is the container's main process
+        except BaseException:
+            await asyncio.to_thread(shell.close)
+            raise
+        return sandbox
 
     async def _check(self, argv: list[str], what: str, image: str) -> str:
         result = await run_cli_async(argv)
@@ -342,13 +351,26 @@ class DockerSandbox(ContainerSandbox):
         engine: str = "docker",
         max_containers: int = DEFAULT_MAX_CONTAINERS,
         persistent: bool = False,
+        limits: SandboxLimits | None = DEFAULT_LIMITS,
     ) -> DockerSandboxFactory:
         """Sandboxes started from ``image`` (which needs ``bash`` and coreutils' ``timeout``), by ``engine``
         ("docker", or "podman" through the same CLI), at most ``max_containers`` at once. With
         ``persistent=True``, one long-lived shell per container (``docker_shell``); its snapshots need
-        ``checkpoint=True``."""
+        ``checkpoint=True``.
+
+        Each container is confined (``DockerCommands.confinement``): only ``CONTAINER_CAPABILITIES``, no
+        privilege gained by exec, and ``limits`` (the shell factory's ``SandboxLimits``: ``pids``, ``memory_bytes``
+        with swap included, ``cpus``; None: none). A call during which the container hit its memory or process
+        limit ends with a note saying so ("[the sandbox hit its process limit of 1024]"), as an error and
+        non-deterministic, and the sandbox is not used again: later calls raise SandboxError naming the limit
+        (``docker_container``: the engine's cgroup counters, read on this machine)."""
         podman = os.path.basename(engine).startswith("podman")
-        commands = DockerCommands(docker=engine, network=network, ulimits=PODMAN_ULIMITS if podman else ())
+        commands = DockerCommands(
+            docker=engine,
+            network=network,
+            ulimits=PODMAN_ULIMITS if podman else (),
+            limits=limits,
+        )
         return DockerSandboxFactory(
             image,
             timeout=timeout,

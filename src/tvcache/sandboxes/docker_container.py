@@ -3,6 +3,12 @@
 
 The one-shot ``docker.DockerSandbox`` and the persistent ``docker_shell.PersistentDockerSandbox`` are both built
 on it; it knows neither of them, nor the factory class, so the factory can launch both without a cycle.
+
+Limits: once per container (``watch_limits``, at its start or fork) the sandbox finds its cgroups' counters on
+this machine (``docker_cgroups``), and reads them before and after every call, a few microseconds. A call during
+which a counter grew ends with the limit's note (``SandboxLimits.describe``), as an error and non-deterministic;
+the container is killed and the sandbox is never trusted again: later calls and snapshots raise, naming the limit
+(so does the next call after a hit that came between calls, from a background process).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,7 +27,10 @@ from typing import Protocol
 from ..calls import ToolCall, ToolSpec
 from ..errors import SandboxError, SnapshotDeclined
 from ..protocol import Outcome, Snapshot
+from .docker_cgroups import ContainerCounters, container_counters
 from .docker_engine import SNAPSHOT_REPOSITORY, DockerCommands, engine_down, no_bash, run_cli_async, run_merged
+from .shell.cgroups import MEMORY
+from .shell.limits import SandboxLimits
 from .shell.process import ShellResult, command_timeout, render_shell, validated
 
 __all__ = ["ContainerHost", "ContainerSandbox"]
@@ -68,6 +78,67 @@ class ContainerSandbox:
         self._stopped = False
         self._dead: str | None = None  # why the container cannot be trusted any more
         self._lock = asyncio.Lock()
+        self._counters: ContainerCounters | None = None  # its limit hits, on this machine (``watch_limits``)
+        self._mark: dict[str, int] = {}  # the counts at its start: any growth is a hit
+        self._hit: str | None = None  # the limit a call hit: never trusted again
+        self.counters_missing: str | None = None  # why they could not be found (the fallback check runs instead)
+
+    async def watch_limits(self, pid: int | None = None) -> None:
+        """Find the counters of the container's cgroups from its main process (``pid``, else asked of the engine),
+        once; without them (another machine's engine), a memory hit is still found after a SIGKILL by asking the
+        container (``_check_memory``), and a pids hit is not found at all."""
+        limits = self._factory.commands.limits
+        if limits is None or (limits.pids is None and limits.memory_bytes is None):
+            return
+        if pid is None:
+            found = await run_cli_async(self._factory.commands.main_pid(self.name), timeout=60)
+            text = found.stdout.strip()
+            if found.returncode != 0 or not text.isdigit() or int(text) <= 0:
+                self.counters_missing = f"the engine gave no main process ({found.stderr.strip()[:200]})"
+                return
+            pid = int(text)
+        counters = container_counters(pid, memory=limits.memory_bytes is not None, pids=limits.pids is not None)
+        if isinstance(counters, str):
+            self.counters_missing = counters
+            return
+        try:
+            self._mark = counters.counts()
+        except OSError as error:
+            self.counters_missing = f"its cgroup counters cannot be read: {error.strerror}"
+            return
+        self._counters = counters
+
+    def _limits(self) -> SandboxLimits:
+        return self._factory.commands.limits or SandboxLimits()
+
+    def _limit_hit(self) -> str | None:
+        """The note of the limit hit since the container started (``SandboxLimits.describe``), or None (also when
+        its cgroups are gone: the container stopped, and the engine's state says why, ``_confirm_alive``)."""
+        if self._counters is None:
+            return None
+        try:
+            kind = self._counters.hit_since(self._mark)
+        except OSError:
+            return None
+        return self._limits().describe(kind) if kind is not None else None
+
+    async def _untrust_at_hit(self, hit: str) -> None:
+        """After a limit hit: never trusted again, and the container killed (a fork bomb goes on forking in the
+        background, a hog's partners half-done); ``stop`` removes it."""
+        self._hit = hit
+        self._dead = f"it is no longer trusted: an earlier call ended because {hit}"
+        with contextlib.suppress(SandboxError):
+            await run_cli_async(self._factory.commands.kill(self.name), timeout=30)
+
+    async def _require_within_limits(self, what: str, error: type[SandboxError] = SandboxError) -> None:
+        """Before a call or a snapshot: a limit hit since the last call (a background process) untrusts the
+        sandbox, and this raises naming it; a snapshot after any hit is declined (the cache replays instead)."""
+        if self._hit is not None and error is SnapshotDeclined:
+            raise SnapshotDeclined(f"{self._where(what)}: {self._dead}; not snapshotting this state")
+        hit = self._limit_hit()
+        if hit is not None:
+            await self._untrust_at_hit(hit)
+            raise error(f"{self._where(what)}: {hit} (after the last call returned); start or fork a new sandbox")
 
     def _where(self, what: str) -> str:
         return f"docker sandbox {self.name} (image {self.image}), {what}"
@@ -81,8 +152,14 @@ class ContainerSandbox:
     async def _confirm_alive(self, what: str, stderr: str) -> None:
         """After a failure that may be the engine's or the container's rather than the command's: if the
         container is not running, it is dead for good (never trusted again) and the call raises."""
-        state = await run_cli_async(self._factory.commands.running(self.name), timeout=30)
-        if state.returncode == 0 and state.stdout.strip() == "true":
+        commands = self._factory.commands
+        state = await run_cli_async(commands.running(self.name), timeout=30)
+        running, _, oom_killed = state.stdout.strip().partition(" ")
+        if state.returncode == 0 and oom_killed == "true":  # its main process, at the memory limit
+            limits = commands.limits
+            self._dead = limits.describe(MEMORY) if limits is not None else "the OOM killer ended a process"
+            raise SandboxError(f"{self._where(what)}: {self._dead}")
+        if state.returncode == 0 and running == "true":
             return
         if engine_down(state.stderr) or engine_down(stderr):
             self._dead = "the Docker engine does not answer (stopped or died)"
@@ -90,22 +167,46 @@ class ContainerSandbox:
             self._dead = "its container is not running any more (killed or removed from outside)"
         raise SandboxError(f"{self._where(what)}: {self._dead}: {stderr.strip()[:300]}")
 
+    async def _check_memory(self, what: str) -> None:
+        """The fallback where the counters could not be found on this machine (``watch_limits``): after a SIGKILL
+        (137: the call's timeout, or the OOM killer at the memory limit), a second ``docker exec`` asks the
+        container; if the OOM killer ended a process, the call raises and the sandbox is never trusted again (its
+        state is not one an unlimited run would have left)."""
+        commands = self._factory.commands
+        counts = await run_cli_async(commands.oom_kills(self.name), timeout=30)
+        kills = [line.split()[1] for line in counts.stdout.splitlines() if line.startswith("oom_kill ")]
+        if any(count.isdigit() and int(count) > 0 for count in kills):
+            limits = commands.limits
+            self._dead = limits.describe(MEMORY) if limits is not None else "the OOM killer ended a process"
+            raise SandboxError(f"{self._where(what)}: {self._dead}")
+
     async def execute(self, call: ToolCall) -> Outcome:
         _, arguments = validated(call, self._factory.tools)
         timeout = command_timeout(arguments, self._factory.timeout)
         what = f"call {call.name}({arguments['cmd'][:80]!r})"
         async with self._lock:
             self._require_usable(what)
+            await self._require_within_limits(what)
             argv = self._factory.commands.exec(self.name, arguments["cmd"], timeout)
             try:
                 # One pipe for both streams, as the shell backends give: the output interleaves as it was written.
                 result = await asyncio.to_thread(run_merged, argv, timeout + 30)
             except SandboxError as error:
+                hit = self._limit_hit()
+                if hit is not None:  # a fork bomb kept docker exec attached past the timeout
+                    await self._untrust_at_hit(hit)
+                    raise SandboxError(f"{self._where(what)}: {hit}") from error
                 self._dead = f"docker exec did not return ({error})"
                 raise SandboxError(f"{self._where(what)}: {self._dead}") from error
+            hit = self._limit_hit()
+            if hit is not None:
+                await self._untrust_at_hit(hit)
+                return self._render_exec(result, timeout, hit)
             text = result.stdout.decode("utf-8", errors="replace")
             # 137 is also the timeout's kill; docker's own failures (not running, no engine) exit 1 or 125-127
             # with its message: only the container's state tells them from the command's own.
+            if result.returncode == 137 and self._counters is None:
+                await self._check_memory(what)
             if result.returncode == 137 or (
                 result.returncode in (1, 125, 126, 127) and ("Error response from daemon" in text or engine_down(text))
             ):
@@ -113,6 +214,9 @@ class ContainerSandbox:
             if result.returncode in (126, 127) and no_bash(text):
                 self._dead = "the image has no bash (or no coreutils timeout); docker sandboxes need both"
                 raise SandboxError(f"{self._where(what)}: {self._dead}: {text.strip()[:300]}")
+        return self._render_exec(result, timeout, None)
+
+    def _render_exec(self, result: subprocess.CompletedProcess[bytes], timeout: float, hit: str | None) -> Outcome:
         limit = self._factory.max_output_bytes
         shell = ShellResult(
             output=result.stdout[:limit],
@@ -120,6 +224,7 @@ class ContainerSandbox:
             returncode=result.returncode if result.returncode != 137 else 0,
             timed_out=result.returncode == 137,  # killed by the timeout inside the container
             escaped=False,
+            limit=hit,
         )
         return render_shell(shell, limit, timeout)
 
@@ -130,6 +235,7 @@ class ContainerSandbox:
         if dest.exists() or dest.is_symlink():
             raise SandboxError(f"{self._where('snapshot')}: destination {dest} already exists")
         async with self._lock:
+            await self._require_within_limits("snapshot", SnapshotDeclined)
             self._require_usable("snapshot")
             meta: dict[str, str] = {"image": image}
             if factory.checkpoint:

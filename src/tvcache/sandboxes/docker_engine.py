@@ -18,9 +18,12 @@ from pathlib import Path
 
 from ..errors import SandboxError
 from ..journal import Journal
-from .shell.layers import process_tag
+from .shell.layers import owner_is_gone, process_tag
+from .shell.limits import DEFAULT_LIMITS, SandboxLimits
+from .shell.linux import CAP_CHECKPOINT_RESTORE, KEPT_CAPABILITIES
 
 __all__ = [
+    "CONTAINER_CAPABILITIES",
     "KIND",
     "OWNER",
     "OWNER_LABEL",
@@ -49,6 +52,12 @@ SNAPSHOT_LABEL = "tvcache.snapshot"  # on a snapshot image: the snapshot's file,
 # The main process of a persistent sandbox's container: an interactive shell on the container's terminal.
 SHELL_ARGV = ("bash", "--norc", "--noprofile", "--noediting", "-i")
 OWNER = process_tag(os.getpid()) or f"{os.getpid()}-0"  # this process, as the owner label names it
+# A container keeps the capabilities a shell sandbox keeps (``linux.KEPT_CAPABILITIES``) and no other, less
+# CHECKPOINT_RESTORE: its shell's next PID is set from the host (``docker_shell``), and a checkpoint is taken by the
+# engine's CRIU, outside the container.
+CONTAINER_CAPABILITIES = tuple(
+    name.removeprefix("CAP_") for name, number in KEPT_CAPABILITIES.items() if number != CAP_CHECKPOINT_RESTORE
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +70,16 @@ class DockerCommands:
     environment: Mapping[str, str] = field(default_factory=lambda: {"LANG": "C.UTF-8", "TZ": "UTC"})
     ulimits: tuple[str, ...] = ()
     owner: str = OWNER
+    # The shell factory's limits, per container: processes, memory (swap included: --memory-swap equals it) and
+    # CPUs; ``tmpfs_bytes`` does not apply (a container's /tmp is part of its files, committed with them).
+    limits: SandboxLimits | None = DEFAULT_LIMITS
+
+    def __post_init__(self) -> None:
+        memory = self.limits.memory_bytes if self.limits is not None else None
+        if memory is not None and memory < 6 * 1024**2:
+            raise ValueError(
+                f"memory_bytes must be at least 6 MiB for a container (the engine's minimum), got {memory}"
+            )
 
     def run(self, image: str, name: str, *, create_only: bool = False) -> list[str]:
         if create_only:  # to restore processes: create, put the checkpoint in place, start from it
@@ -92,10 +111,28 @@ class DockerCommands:
     def _run_options(self, name: str) -> list[str]:
         options = ["--pull", "never", "--name", name, "--network", self.network, *self._workdir()]
         options += ["--label", f"{SANDBOX_LABEL}=1", "--label", f"{OWNER_LABEL}={self.owner}"]
+        options += self.confinement()
         for limit in self.ulimits:
             options += ["--ulimit", limit]
         for key, value in sorted(self.environment.items()):
             options += ["--env", f"{key}={value}"]
+        return options
+
+    def confinement(self) -> list[str]:
+        """The options that confine a container: only ``CONTAINER_CAPABILITIES``, no privilege gained by exec
+        (setuid files, file capabilities), and the limits. Never ``--privileged``, and no mount of the host: the
+        container sees its image alone."""
+        options = ["--cap-drop", "ALL"]
+        for capability in CONTAINER_CAPABILITIES:
+            options += ["--cap-add", capability]
+        options += ["--security-opt", "no-new-privileges"]
+        limits = self.limits or SandboxLimits(pids=None, memory_bytes=None, cpus=None, tmpfs_bytes=None)
+        if limits.pids is not None:
+            options += ["--pids-limit", str(limits.pids)]
+        if limits.memory_bytes is not None:  # swap equal to memory: no swap beyond it
+            options += ["--memory", f"{limits.memory_bytes}b", "--memory-swap", f"{limits.memory_bytes}b"]
+        if limits.cpus is not None:
+            options += ["--cpus", f"{limits.cpus:g}"]
         return options
 
     def _workdir(self) -> list[str]:
@@ -129,8 +166,23 @@ class DockerCommands:
         """The processes in the container (``docker top``: a header line, then one line per process)."""
         return [self.docker, "top", name]
 
+    def oom_kills(self, name: str) -> list[str]:
+        """The container's count of processes the OOM killer ended (``oom_kill`` of its memory cgroup, v1 or v2,
+        as seen inside it): the engine's ``State.OOMKilled`` covers only its main process, not an exec's."""
+        files = "/sys/fs/cgroup/memory/memory.oom_control /sys/fs/cgroup/memory.events"
+        return [self.docker, "exec", name, "sh", "-c", f"cat {files} 2>/dev/null; true"]
+
+    def main_pid(self, name: str) -> list[str]:
+        """The container's main process, in this machine's PID numbers (0 when it is not running)."""
+        return [self.docker, "container", "inspect", "--format", "{{.State.Pid}}", name]
+
+    def kill(self, name: str) -> list[str]:
+        return [self.docker, "kill", name]
+
     def running(self, name: str) -> list[str]:
-        return [self.docker, "container", "inspect", "--format", "{{.State.Running}}", name]
+        """``<running> <oom killed>``: whether the container runs, and whether the kernel's OOM killer has ended a
+        process of it (since it started) at its memory limit."""
+        return [self.docker, "container", "inspect", "--format", "{{.State.Running}} {{.State.OOMKilled}}", name]
 
     def image_size(self, *images: str) -> list[str]:
         return [self.docker, "image", "inspect", "--format", "{{.Size}}", *images]
@@ -183,8 +235,10 @@ def engine_down(stderr: str) -> bool:
 
 
 def _owner_alive(owner: str) -> bool:
+    """The owner label's process still runs (``owner_is_gone``: one test for every leftover sweep); a label that
+    is not a process tag counts as gone, since tvcache wrote every label it reads here."""
     pid, _, start = owner.partition("-")
-    return pid.isdigit() and process_tag(int(pid)) == f"{pid}-{start}"
+    return pid.isdigit() and start.isdigit() and not owner_is_gone(owner)
 
 
 def remove_orphans(commands: DockerCommands | None = None) -> tuple[int, int]:

@@ -18,6 +18,10 @@ Snapshots: ``docker commit`` keeps files only, so a persistent sandbox is snapsh
 background processes, exactly); otherwise, or when the checkpoint fails, the snapshot is declined
 (``SnapshotDeclined``) and later states replay — never a fork with another shell state.
 
+Limits are found as in the one-shot flavour (``docker_container``: the container's cgroup counters, read on this
+machine around each call); a shell the OOM killer ended took its cgroups with it, and the engine's state
+(``OOMKilled``) says so instead. After a hit the container is killed and the sandbox is never used again.
+
 When the shell ends (``exit``, ``exec false``, the container killed), the call returns what it printed and a
 note, as an error and non-deterministic; the sandbox is no longer trusted (nothing it does is cached, it is
 never snapshotted), and the next call starts the container again (``docker start``) with a new shell in the same
@@ -45,8 +49,9 @@ from ..calls import ToolCall
 from ..errors import SandboxError, SnapshotDeclined
 from ..protocol import Outcome, Snapshot
 from .docker_container import ContainerHost, ContainerSandbox
-from .docker_engine import PERSISTENT_KIND, no_bash
-from .shell.process import run_in_worker
+from .docker_engine import PERSISTENT_KIND, no_bash, run_cli_async
+from .shell.cgroups import MEMORY
+from .shell.process import ShellResult, render_shell, run_in_worker
 from .shell.pty_shell import (
     BOOT_COMMAND,
     BOOT_HEAD,
@@ -55,6 +60,7 @@ from .shell.pty_shell import (
     READY,
     WINDOW,
     OutputCollector,
+    PtyResult,
     PtyShell,
     ShellGone,
 )
@@ -281,9 +287,35 @@ class PersistentDockerSandbox(PersistentShellCalls, ContainerSandbox):
         what = f"call {call.name}({command[:80]!r})"
         async with self._lock:
             self._require_usable(what)
+            await self._require_within_limits(what)
             run = functools.partial(self._run_command, command, timeout, what)
             result, restarted, code = await run_in_worker(run, self._kill_shell)
+            hit = self._limit_hit() or (await self._oom_killed_shell() if result.died else None)
+            if hit is not None:
+                await self._untrust_at_hit(hit)
+                return self._render_limit_hit(result, hit, timeout)
         return self._render(result, restarted, code, timeout)
+
+    async def _oom_killed_shell(self) -> str | None:
+        """The memory limit's note when the OOM killer ended the shell itself (the container's main process: its
+        cgroups went with it, so the engine's state says it), else None."""
+        with contextlib.suppress(SandboxError):
+            state = await run_cli_async(self._factory.commands.running(self.name), timeout=30)
+            if state.returncode == 0 and state.stdout.split()[-1:] == ["true"]:
+                return self._limits().describe(MEMORY)
+        return None
+
+    def _render_limit_hit(self, result: PtyResult, hit: str, timeout: float) -> Outcome:
+        plain = ShellResult(
+            output=result.output,
+            total_bytes=result.total_bytes,
+            returncode=result.status or 0,
+            timed_out=result.timed_out,
+            escaped=False,
+            limit=hit,
+        )
+        outcome = render_shell(plain, self._factory.max_output_bytes, timeout)
+        return Outcome(output=outcome.output, is_error=True, changed_state=True, deterministic=False)
 
     def _new_shell(self, what: str) -> DockerShell:
         commands = self._factory.commands
@@ -309,6 +341,8 @@ class PersistentDockerSandbox(PersistentShellCalls, ContainerSandbox):
     async def snapshot(self, dest: Path) -> Snapshot:
         what = self._where("snapshot")
         shell = self._shell
+        if self._hit is not None:
+            raise SnapshotDeclined(f"{what}: {self._dead}; not snapshotting this state")
         if self._untrusted is not None or shell is None or not shell.alive:
             raise SnapshotDeclined(f"{what}: {self._untrusted or 'its shell ended'}; not snapshotting this state")
         if not self._factory.checkpoint:

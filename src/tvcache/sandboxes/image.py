@@ -27,6 +27,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from ..errors import SandboxError
+from ..private_storage import private_directory
 from .docker import OWNER_LABEL, SANDBOX_LABEL, DockerCommands
 
 __all__ = [
@@ -109,8 +110,8 @@ def image_root(config: ImageConfig, *, engine: str = "docker", cache_dir: str | 
     ``cache_dir/<digest>/rootfs`` (made once; concurrent processes wait for the first)."""
     if len(config.layers) == 1 and Path(config.layers[0]).is_dir():
         return Path(config.layers[0])  # a whole tree already; overlay whiteouts cannot occur in a lone layer
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
+    # Private (0700): an export keeps the image's set-user-ID files, which another host user must not run.
+    cache = private_directory(Path(cache_dir) if cache_dir is not None else default_cache_dir())
     entry = cache / config.digest.removeprefix("sha256:")
     root = entry / "rootfs"
     with open(cache / f"{entry.name}.lock", "w") as lock:

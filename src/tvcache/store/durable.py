@@ -2,12 +2,18 @@
 
 Every change is journaled as a typed record (``tvcache.store.records``) before it is applied; opening replays
 them. What the journal held besides intact records that apply — damaged lines, records depending on lost ones,
-a torn tail, snapshot files a killed process never journaled — is dealt with by ``tvcache.recovery`` and
-reported in ``LocalStore.recovery``.
+a torn tail, snapshot files a killed process never journaled, snapshots whose storage is gone — is dealt with
+by ``tvcache.recovery`` and reported in ``LocalStore.recovery``.
+
+A snapshot record whose storage is gone (``Snapshot.exists`` fails: a shell snapshot's layers live in a store of
+the process that made them, so after a restart they are gone unless the snapshot was published, and then
+``publication_available`` keeps it) is dropped on open, and what it left in the cache's own ``snapshots/``
+directory (its file, a CRIU image beside it) is removed with it: nothing will ever fork or evict it again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from collections.abc import Iterable, Iterator
@@ -19,6 +25,7 @@ from ..calls import ToolCall
 from ..errors import InvalidToolCall, JournalError
 from ..graph import ToolCallGraph
 from ..journal import Journal, JournalWarning
+from ..private_storage import make_private
 from ..protocol import Snapshot
 from ..recovery import (
     DamagedRecord,
@@ -52,6 +59,7 @@ class DurableState(Protocol):
     journal: Journal | None
     recovery: JournalRecovery | None
     unapplied: list[tuple[int, dict[str, Any]]]
+    dropped: list[SnapshotRecord]
     verify_snapshots: bool
     snapshot_root: Path
 
@@ -82,6 +90,7 @@ def load(store: DurableState, *, compact_due: bool) -> None:
     cannot open, the journal is closed again before the error propagates."""
     journal = store.journal
     assert journal is not None
+    make_private(store.snapshot_root)  # an older version's 0755 one
     notes = LoadNotes()
     count = 0
     errors: list[BaseException] = []
@@ -90,7 +99,12 @@ def load(store: DurableState, *, compact_due: bool) -> None:
             count += 1
             notes.note(line, data)
             try:
-                store.apply(parse(data))
+                record = parse(data)
+                store.apply(record)
+                if isinstance(record, DetachRecord) and store.dropped:  # dropped on an earlier open already
+                    store.dropped = [
+                        old for old in store.dropped if (old.task_id, old.node_id) != (record.task_id, record.node_id)
+                    ]
             except (KeyError, ValueError, TypeError, InvalidToolCall) as error:
                 store.unapplied.append((line, data))
                 errors.append(error)
@@ -132,6 +146,7 @@ def apply_to_graph(store: DurableState, graph: ToolCallGraph, record: Record) ->
         usable = not store.verify_snapshots or snapshot.exists() or publication_available(snapshot)
         if not usable:
             store.release_dropped(snapshot)
+            store.dropped.append(record)
         elif node.snapshot is None:
             graph.attach_snapshot(node, snapshot)
     elif isinstance(record, DetachRecord):
@@ -183,15 +198,32 @@ def _recover(store: DurableState, journal: Journal, notes: LoadNotes, errors: li
 
 
 def _remove_leftovers(store: DurableState, journal: Journal, notes: LoadNotes) -> None:
-    """Remove snapshot files a killed process wrote but never journaled. Only where this store owns its
-    snapshots (a server's belong to its clients), and never what a record, intact or damaged, may name."""
+    """Remove snapshot files a killed process wrote but never journaled, and those of snapshots dropped because
+    their storage is gone (counted in ``recovery.dropped``). Only where this store owns its snapshots (a server's
+    belong to its clients), and never what another record, intact or damaged, may name."""
     recovery = store.recovery
     assert recovery is not None
     if not store.verify_snapshots:
         return
-    removed = remove_orphan_snapshots(store.snapshot_root, notes.snapshot_names, journal.scan, journal.directory)
-    if removed:
-        store.recovery = replace(recovery, removed=recovery.removed + tuple(str(path) for path in removed))
+    attached = {
+        Path(node.snapshot.path).name
+        for graph in store.graphs()
+        for node in graph.snapshot_nodes.values()
+        if node.snapshot is not None
+    }
+    records, store.dropped = store.dropped, []
+    gone = {Path(record.snapshot.path).name for record in records} - attached
+    removed = remove_orphan_snapshots(store.snapshot_root, notes.snapshot_names - gone, journal.scan, journal.directory)
+    leftovers = tuple(str(path) for path in removed if path.name.split(".", 1)[0] not in gone)
+    dropped = tuple(record.snapshot.path for record in records)
+    store.recovery = replace(recovery, removed=recovery.removed + leftovers, dropped=dropped)
+    # Journaled as detached, so that the next open neither counts them again nor looks for their storage.
+    with contextlib.suppress(JournalError):
+        for record in records:
+            graph = store.graph(record.task_id) if store.has_task(record.task_id) else None
+            node = graph.get(record.node_id) if graph is not None else None
+            if node is not None and node.snapshot is None:
+                journal.append(DetachRecord(task_id=record.task_id, node_id=record.node_id).to_json())
 
 
 def records(store: DurableState) -> Iterator[Record]:

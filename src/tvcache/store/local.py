@@ -31,6 +31,7 @@ from ..errors import InvalidTaskId, InvalidToolCall, JournalError, SandboxError
 from ..graph import Lease, MatchResult, Node, ToolCallGraph
 from ..journal import Journal, JournalWarning
 from ..policies import Budget, CostModel, EvictionPolicy, LowReuseFirst, SnapshotPolicy
+from ..private_storage import DIRECTORY_MODE
 from ..protocol import Outcome, SandboxFactory, Snapshot
 from ..recovery import JournalRecovery
 from ..results import NondeterminismMark
@@ -105,6 +106,7 @@ class LocalStore:
         self.journal: Journal | None = None
         self.recovery: JournalRecovery | None = None
         self.unapplied: list[tuple[int, dict[str, Any]]] = []  # loaded records that no longer apply
+        self.dropped: list[SnapshotRecord] = []  # dropped on load: their storage is gone (durable.load)
         if path is None:
             self.root = Path(tempfile.mkdtemp(prefix="tvcache-"))
             # Its snapshots die with it, each freed by the factory that made it (a docker image lives outside
@@ -268,7 +270,9 @@ class LocalStore:
 
     def snapshot_path(self, task_id: str, node: Node) -> Path:
         directory = self.snapshot_root / stable_digest(task_id.encode()).hex()[:20]
-        directory.mkdir(parents=True, exist_ok=True)
+        # Private (``tvcache.private_storage``): snapshots hold what rollouts wrote, CRIU images their memory.
+        self.snapshot_root.mkdir(DIRECTORY_MODE, exist_ok=True)
+        directory.mkdir(DIRECTORY_MODE, exist_ok=True)
         return directory / f"{node.id}-{random.getrandbits(32):08x}"
 
     def lease_snapshot(self, state: Node, kind: str, *, skip: frozenset[str] = frozenset()) -> Lease | None:

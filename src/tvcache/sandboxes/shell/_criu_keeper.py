@@ -11,6 +11,12 @@ failed restore leaves zombies that only their parent may reap, which a busy main
 
 The channel is its lifeline: when the main process closes it (``Spawned.close``) or dies, the keeper kills the
 tree (its root is PID 1 of its namespace: everything in it dies) and exits.
+
+Limits: given a cgroup spec, the keeper makes the tree's cgroup (``cgroups``), its CRIU child enters it just
+before the exec (CRIU runs with ``--manage-cgroups=ignore``, so every restored process is born there, and the
+keeper itself stays out), and the keeper watches it as the zygote does its commands': at a limit hit it kills
+the tree and says so in its exit (``{"exited": code, "limit": kind}``); the cgroup is removed when the tree is
+gone.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import socket
 import tempfile
 
 from . import linux
-from .zygote_process import message, send
+from .cgroups import LimitWatch, TreeCgroup
+from .zygote_process import Confiner, make_mount_points, message, send
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -85,11 +92,39 @@ def _attach_tree(mount_fd: int, scratch: str) -> str:
     return target
 
 
-def _run_criu(channel: socket.socket, argv: list[str], keep: list[int]) -> int | None:
-    """Run CRIU with only ``keep`` (and stdio) open; its exit code, or None when the channel closed first."""
+def _make_root(confinement: dict[str, object], scratch: str) -> str:
+    """The root a restored sandbox shell runs in, in a mount namespace of this process only: a read-only tmpfs
+    with the mount points and symlinks of the new root it was dumped in (``zygote_process.HostRoot``). CRIU
+    takes the root as given (``--root``) and restores the tree's mounts over it (the host paths bound from the
+    host's own, as external mounts); with the host's root there, a restored shell would see the whole host."""
+    linux.unshare(linux.CLONE_NEWNS)
+    linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
+    confiner = Confiner(**confinement)  # type: ignore[arg-type]
+    hidden = confiner.private_dirs  # the mount points below them are in the tmpfs images CRIU restores
+    host_paths = {
+        path: os.path.isdir(path)
+        for path in (*confiner.system, *confiner.visible)
+        if not any(path == top or path.startswith(top + "/") for top in hidden)
+    }
+    target = tempfile.mkdtemp(prefix="root-", dir=scratch)
+    linux.mount("tmpfs", target, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "mode=755")
+    os.chdir(target)
+    try:
+        make_mount_points(confiner, host_paths)
+    finally:
+        os.chdir("/")
+    linux.set_mount_attributes(target, linux.VIEW_ATTRIBUTES)
+    return target
+
+
+def _run_criu(channel: socket.socket, argv: list[str], keep: list[int], group: TreeCgroup | None) -> int | None:
+    """Run CRIU with only ``keep`` (and stdio) open, in ``group``; its exit code, or None when the channel closed
+    first."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child execs at once
         try:
+            if group is not None:
+                group.enter()  # CRIU, and so every process it restores, runs in the tree's cgroup
             for fd in keep:
                 os.set_inheritable(fd, True)
             os.execv(argv[0], argv)
@@ -137,16 +172,40 @@ def _set_last_pid(pid: int, last_pid: int) -> None:
         raise OSError(f"cannot set the last PID of the restored tree's namespace to {last_pid}")
 
 
-def _keep(channel: socket.socket, pid: int) -> None:
-    """Report the restored root, then wait for its end or for the main process to let go of it."""
+def _keep(channel: socket.socket, pid: int, group: TreeCgroup | None) -> None:
+    """Report the restored root, then wait for its end (killing it at a limit hit) or for the main process to
+    let go of it."""
     pidfd = os.pidfd_open(pid)
-    send(channel, message(pid=pid), [pidfd])
-    ready, _, _ = select.select([channel, pidfd], [], [])
-    if pidfd not in ready:  # the main process closed the channel, or died
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    send(channel, message(pid=pid, **({"cgroup": group.name} if group is not None else {})), [pidfd])
+
+    def kill(_: object) -> None:
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    poller = select.poll()
+    poller.register(channel, select.POLLIN)
+    poller.register(pidfd, select.POLLIN)
+    watch = LimitWatch(kill)
+    if group is not None:
+        watch.watch(pid, group, poller)
+    while True:
+        timeout = watch.timeout(None)
+        ready = [fd for fd, _ in poller.poll(None if timeout is None else timeout * 1000)]
+        watch.check()
+        for fd in ready:
+            if watch.owns(fd):
+                watch.fired(fd)
+        if pidfd in ready:
+            break
+        if channel.fileno() in ready:  # the main process closed the channel, or died
+            kill(None)
+            break
     _, status = os.waitpid(pid, 0)
+    limit = watch.unwatch(pid, poller)
     try:
-        send(channel, message(exited=os.waitstatus_to_exitcode(status)))
+        send(channel, message(exited=os.waitstatus_to_exitcode(status), **({"limit": limit} if limit else {})))
     except OSError:
         pass  # nobody listens any more
 
@@ -159,12 +218,17 @@ def serve(channel_fd: int, request: str) -> NoReturn:
     os.set_inheritable(channel_fd, False)
     spec = json.loads(request)
     attached: str | None = None
+    group: TreeCgroup | None = None
     try:
+        if spec.get("cgroups") is not None:
+            group = TreeCgroup.create(spec["cgroups"], f"criu-{os.getpid()}")
         argv = list(spec["argv"])
+        if spec.get("root") is not None:
+            argv += ["--root", _make_root(spec["root"], spec["scratch"])]
         if spec["mount_fd"] is not None:
             attached = _attach_tree(spec["mount_fd"], spec["scratch"])
             argv += ["--external", f"mnt[{spec['tree_key']}]:{attached}"]
-        code = _run_criu(channel, argv, spec["inherit"])
+        code = _run_criu(channel, argv, spec["inherit"], group)
         for fd in spec["inherit"]:
             os.close(fd)
         _detach(attached)  # the restored tree has its own copy of the mount now
@@ -179,7 +243,7 @@ def serve(channel_fd: int, request: str) -> NoReturn:
                 pid = int(pidfile.read().strip())
             if spec.get("last_pid") is not None:
                 _set_last_pid(pid, int(spec["last_pid"]))
-            _keep(channel, pid)
+            _keep(channel, pid, group)
     except BaseException as error:  # reported; the keeper must never leave a tree behind
         _reap_all()
         try:
@@ -188,6 +252,9 @@ def serve(channel_fd: int, request: str) -> NoReturn:
             pass
     finally:
         _detach(attached)
+        if group is not None:  # the tree is gone (or was never restored): nothing should be left in it
+            group.kill_all()
+            group.remove()
         os._exit(0)
 
 

@@ -25,6 +25,11 @@ zygote started; ``close`` (or the end of the main process) kills the tree.
 Finding CRIU: ``$TVCACHE_CRIU``, else ``/var/cache/tvcache/criu/criu`` (written by ``scripts/install-criu.sh``,
 ``make criu``), else ``criu`` on PATH; it must be recent enough for this kernel and pass ``criu check``
 (``find_criu``; probed once per process). Without it, ``find_criu`` returns None and says why, once.
+
+Images hold the memory of the dumped processes (any secret a shell held): their directory is 0700 and every
+file 0600, whatever the umask (CRIU runs with umask 077, and what it wrote is tightened after the dump). A
+restore's scratch directory (``tvcache-criu-<pid>-<start>-*`` in the temporary directory) is removed when the
+restore ends; one a killed process left behind is removed by the next process that looks for CRIU or restores.
 """
 
 from __future__ import annotations
@@ -44,10 +49,13 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import CriuError
+from ...private_storage import DIRECTORY_MODE, private_tree
+from .layers import owner_is_gone, process_tag
 from .zygote import Spawned
 
 __all__ = [
@@ -59,6 +67,7 @@ __all__ = [
     "criu_unavailable_reason",
     "discard_images",
     "find_criu",
+    "remove_dead_scratch",
     "required_version",
 ]
 
@@ -80,6 +89,12 @@ _VERSION = re.compile(r"^Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", re.MULTILINE)
 # (auto), including shared or slave ones; network locking needs iptables/nftables and guards only connections
 # to the outside, which the tree's private loopback cannot have.
 _MOUNTS = ("--ext-mount-map", "auto", "--enable-external-sharing", "--enable-external-masters")
+# Cgroups are ours, not CRIU's: a restored tree stays in the cgroup CRIU runs in (the keeper's child enters the
+# fork's own before it execs CRIU), never in the one the dumped tree was in. Needed on both sides (runc does the
+# same to restore a container into another cgroup); ``=``: the mode is an optional argument.
+_CGROUPS = ("--manage-cgroups=ignore",)
+SCRATCH_PREFIX = "tvcache-criu-"
+_UMASK = 0o077  # what CRIU writes (images, logs, the restore's scratch) is its user's alone
 
 
 def required_version(kernel: str | None = None) -> tuple[int, int]:
@@ -145,19 +160,24 @@ class Criu:
         tree_mountpoint: str | None = None,
         leave_running: bool = True,
         timeout: float = DUMP_TIMEOUT,
+        root: Mapping[str, object] | None = None,
     ) -> CriuDump:
         """Dump the tree rooted at ``pid`` (in the caller's PID namespace) into ``images``, a directory that
         must not exist yet. ``tree_mountpoint``: where the sandbox's tree is attached inside the tree's mount
-        namespace (a restore then needs a tree to put there). With ``leave_running`` (the default) the tree goes
-        on afterwards, as it does when the dump fails. Raises CriuError with CRIU's log; nothing is left then."""
+        namespace (a restore then needs a tree to put there). ``root``: the confinement (``zygote.Confinement`` as
+        a dict) whose own root the tree runs in, which a restore rebuilds (None: the host's root). With
+        ``leave_running`` (the default) the tree goes on afterwards, as it does when the dump fails. Raises
+        CriuError with CRIU's log; nothing is left then."""
         images = Path(images)
         try:
-            images.mkdir(parents=True)
+            images.parent.mkdir(parents=True, exist_ok=True)
+            images.mkdir(DIRECTORY_MODE)
         except FileExistsError:
             raise CriuError(f"CRIU image directory {images} already exists; pass a path that does not") from None
+        os.chmod(images, DIRECTORY_MODE)  # not the umask's
         try:
             tty = _tty_key(pid)
-            argv = [self.path, "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", *_MOUNTS]
+            argv = [self.path, "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", *_MOUNTS, *_CGROUPS]
             argv += ["--network-lock", "skip"]
             if leave_running:
                 argv.append("--leave-running")
@@ -165,7 +185,9 @@ class Criu:
                 argv += ["--external", tty]
             if tree_mountpoint is not None:
                 argv += ["--external", f"mnt[{tree_mountpoint}]:{TREE_KEY}"]
-            for mountpoint in _foreign_mounts(pid, tree_mountpoint):
+            # A tree in a root of its own has no other container's mount to leave out, and its host paths, bound
+            # from an overlay root (a host that is a container itself), must not be.
+            for mountpoint in _foreign_mounts(pid, tree_mountpoint) if root is None else []:
                 argv += ["--skip-mnt", mountpoint]
             began = time.perf_counter()
             code, output = _run(argv, timeout)
@@ -175,8 +197,10 @@ class Criu:
                     f"criu dump of process {pid} failed ({_how(code, timeout)}):\n"
                     f"{_log_tail(images / 'dump.log', output)}"
                 )
-            meta = {"tty": tty, "tree": tree_mountpoint, "criu": ".".join(map(str, self.version))}
+            meta: dict[str, object] = {"tty": tty, "tree": tree_mountpoint, "criu": ".".join(map(str, self.version))}
+            meta["root"] = dict(root) if root is not None else None
             (images / META_FILE).write_text(json.dumps(meta))
+            private_tree(images)  # in case a CRIU ignores its umask for some file
             size = sum(entry.stat().st_size for entry in images.iterdir() if entry.is_file())
             return CriuDump(images=images, seconds=seconds, image_bytes=size, tty=tty, tree=tree_mountpoint)
         except BaseException:
@@ -191,12 +215,14 @@ class Criu:
         tree_mount_fd: int | None = None,
         last_pid: int | None = None,
         timeout: float = RESTORE_TIMEOUT,
+        cgroups: dict[str, object] | None = None,
     ) -> CriuRestore:
         """Restore a copy of the tree dumped in ``images``, in new namespaces, and return once it runs.
         ``tty_fd``: the new terminal (a pty slave) when the tree had one; ``tree_mount_fd``: the fork's tree (a
         detached mount) when the dump named a ``tree_mountpoint``; ``last_pid``: the last PID handed out in the
         dumped tree's PID namespace (its ``ns_last_pid``), so that the copy's next process gets the PID the
-        original's would have (CRIU's own restore moves it). The caller keeps its descriptors. Raises CriuError
+        original's would have (CRIU's own restore moves it); ``cgroups``: the spec of the copy's own cgroup
+        (``cgroups``: its limits, watched by the keeper), or None. The caller keeps its descriptors. Raises CriuError
         with CRIU's log when the restore fails; nothing is left running or mounted then."""
         images = Path(images)
         meta = _read_meta(images)
@@ -204,9 +230,13 @@ class Criu:
             raise CriuError(f"the tree in {images} had a terminal: pass a pty slave as tty_fd to restore it")
         if meta.get("tree") and tree_mount_fd is None:
             raise CriuError(f"the tree in {images} ran over a sandbox tree: pass the fork's as tree_mount_fd")
-        scratch = Path(tempfile.mkdtemp(prefix=f"tvcache-criu-{os.getpid()}-"))  # per process: leak checks
+        remove_dead_scratch()
+        # Named by its process (and that process's start time), for leak checks and for the next process to
+        # tell a killed owner's leftover from a live one's.
+        tag = process_tag(os.getpid()) or f"{os.getpid()}-0"
+        scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{tag}-"))
         try:
-            return self._restore(images, meta, scratch, tty_fd, tree_mount_fd, last_pid, timeout)
+            return self._restore(images, meta, scratch, tty_fd, tree_mount_fd, last_pid, timeout, cgroups)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
@@ -219,11 +249,15 @@ class Criu:
         tree_mount_fd: int | None,
         last_pid: int | None,
         timeout: float,
+        cgroups: dict[str, object] | None = None,
     ) -> CriuRestore:
-        argv = [self.path, "restore", "-D", str(images), "-W", str(scratch), "-o", "restore.log", *_MOUNTS]
-        # Detached, with the root as the keeper's child; `--root /`: the tree's mounts are rebuilt under the
-        # host's root, the external ones bound from it.
-        argv += ["-d", "--restore-sibling", "--pidfile", str(scratch / "pid"), "--root", "/"]
+        argv = [self.path, "restore", "-D", str(images), "-W", str(scratch), "-o", "restore.log", *_MOUNTS, *_CGROUPS]
+        # Detached, with the root as the keeper's child; `--root`: the tree's mounts are rebuilt under it, the
+        # external ones bound from the host's: a copy of the mount points of the sandbox's own root, which the
+        # keeper makes, for a tree dumped with one (``root``); else the host's root.
+        argv += ["-d", "--restore-sibling", "--pidfile", str(scratch / "pid")]
+        if meta.get("root") is None:
+            argv += ["--root", "/"]
         inherit = []
         if meta.get("tty") and tty_fd is not None:
             argv += ["--inherit-fd", f"fd[{tty_fd}]:{meta['tty']}"]
@@ -237,6 +271,8 @@ class Criu:
             "tree_key": TREE_KEY,
             "inherit": inherit,
             "last_pid": last_pid,
+            "root": meta.get("root"),
+            "cgroups": cgroups,
         }
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         began = time.perf_counter()
@@ -253,6 +289,7 @@ class Criu:
                 env={"PATH": CRIU_PATH},
                 pass_fds=passed,
                 start_new_session=True,
+                umask=_UMASK,
             )
         except BaseException:
             mine.close()
@@ -281,6 +318,30 @@ class Criu:
 def discard_images(images: str | os.PathLike[str]) -> None:
     """Remove a dump's image directory (idempotent)."""
     shutil.rmtree(images, ignore_errors=True)
+
+
+@functools.cache
+def remove_dead_scratch(directory: str | None = None) -> tuple[str, ...]:
+    """Remove the restore scratch directories that processes which are gone left behind (a ``kill -9``
+    mid-restore), once per process and directory (default: the temporary directory); returns what it removed."""
+    root = Path(directory if directory is not None else tempfile.gettempdir())
+    removed = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return ()
+    for entry in entries:
+        name = entry.name
+        if not name.startswith(SCRATCH_PREFIX) or not owner_is_gone(name[len(SCRATCH_PREFIX) :]):
+            continue
+        try:
+            info = entry.lstat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid():  # never another user's, never a link
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(str(entry))
+    return tuple(removed)
 
 
 # ----------------------------------------------------------------------------------------- finding CRIU
@@ -314,6 +375,7 @@ def criu_unavailable_reason() -> str | None:
 
 @functools.cache
 def _probe() -> Criu | str:
+    remove_dead_scratch()
     if sys.platform != "linux":
         return "CRIU runs on Linux only"
     if os.geteuid() != 0:
@@ -408,6 +470,7 @@ def _run(argv: list[str], timeout: float) -> tuple[int, str]:
         cwd="/",
         env={"PATH": CRIU_PATH},
         start_new_session=True,
+        umask=_UMASK,
     )
     try:
         output, _ = process.communicate(timeout=timeout)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from typing import Any
 
 from ...errors import CriuError, SandboxError, SnapshotDeclined, SnapshotUnusable
@@ -65,7 +66,8 @@ class CriuRoute:
         if not state.lines("status") or not last_pid or not last_pid[0].isdigit():
             raise SnapshotDeclined("cannot carry this shell's state: the captured state is incomplete")
         try:
-            dump = criu.dump(shell.pid, place.images, tree_mountpoint=place.tree, leave_running=False)
+            root = asdict(place.confinement)  # its own root, which a restore rebuilds (``criu``)
+            dump = criu.dump(shell.pid, place.images, tree_mountpoint=place.tree, leave_running=False, root=root)
         except CriuError as error:
             raise SnapshotDeclined(f"CRIU could not dump the shell's processes: {error}") from error
         return {
@@ -94,6 +96,7 @@ class CriuRoute:
                 tty_fd=terminal.slave,
                 tree_mount_fd=launch.mount_fd,
                 last_pid=int(image["last_pid"]),
+                cgroups=launch.cgroups,
             )
         except BaseException:
             os.close(terminal.master)

@@ -4,6 +4,10 @@ A *layer* is a frozen upper directory: the changes one sandbox made since its pr
 state is its stack of layers (newest first) over the base tree, plus its own writable upper. Layers are
 deleted when the last sandbox or snapshot using them lets go, and a store left behind by a crashed process
 is removed by the next process that opens the same root.
+
+Everything here is private to the store's user (``tvcache.private_storage``): the root, each store and its
+``layers``/``uppers`` directories are 0700, so no other host user can read a sandbox's files, or run a setuid
+binary a sandbox made in its upper (the overlay is mounted ``nosuid`` too: see ``linux.mount_overlay``).
 """
 
 from __future__ import annotations
@@ -20,18 +24,22 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Layer", "LayerStore", "default_store_root", "process_tag", "upper_digest"]
+from ...private_storage import DIRECTORY_MODE, private_directory
+
+__all__ = ["Layer", "LayerStore", "default_store_root", "owner_is_gone", "process_tag", "upper_digest"]
 
 _counter = itertools.count()
 SQUASHED = "-squashed"  # the name suffix of a layer that holds a whole merged stack, base included
 
 
 def default_store_root() -> Path:
-    """tmpfs when available: freezing an upper needs no sync there, so snapshots cost the same at any size."""
+    """tmpfs when available: freezing an upper needs no sync there, so snapshots cost the same at any size. One
+    root per user (root's keeps the historical name): each must own its own, private one."""
+    name = "tvcache-layers" if os.geteuid() == 0 else f"tvcache-layers-{os.geteuid()}"
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm / "tvcache-layers"
-    return Path(tempfile.gettempdir()) / "tvcache-layers"
+        return shm / name
+    return Path(tempfile.gettempdir()) / name
 
 
 def process_tag(pid: int) -> str | None:
@@ -42,6 +50,22 @@ def process_tag(pid: int) -> str | None:
     except OSError:
         return None
     return f"{pid}-{int(fields[19])}"
+
+
+def owner_is_gone(name: str) -> bool:
+    """Whether ``name``, which starts with the ``process_tag`` of the process that made it (``<pid>-<start>``,
+    then anything after a dash), was made by a process that no longer runs: the one helper every leftover sweep
+    uses (layer stores, CRIU scratch directories, Docker containers). A name with a PID but no start time (older
+    versions named CRIU scratch so) counts as gone only while no process has that PID; a name that starts with
+    no PID is never taken for a dead process's leftover."""
+    pid, _, rest = name.partition("-")
+    if not pid.isdigit():
+        return False
+    start = rest.split("-", 1)[0]
+    tag = process_tag(int(pid))
+    if not start.isdigit():
+        return tag is None
+    return tag != f"{pid}-{start}"
 
 
 def tree_bytes(path: Path) -> int:
@@ -107,12 +131,13 @@ class LayerStore:
 
     def __init__(self, root: Path | None = None) -> None:
         self.root = Path(root) if root is not None else default_store_root()
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_directory(self.root, owned=True)  # tightened, if an older version made it 0755
         self._remove_orphans()
         tag = process_tag(os.getpid())
         self.directory = self.root / f"{tag}-{next(_counter)}"
+        private_directory(self.directory, parents=False)
         for sub in ("layers", "uppers"):
-            (self.directory / sub).mkdir(parents=True)
+            private_directory(self.directory / sub, parents=False)
         self._lock = threading.Lock()
         self._layers: dict[str, Layer] = {}
         self._ids = itertools.count()
@@ -121,18 +146,16 @@ class LayerStore:
     def _remove_orphans(self) -> None:
         """Delete stores whose owning process is gone (it crashed, or was killed before cleaning up)."""
         for entry in self.root.iterdir():
-            pid, _, rest = entry.name.partition("-")
-            start = rest.split("-", 1)[0]
-            if not pid.isdigit() or process_tag(int(pid)) == f"{pid}-{start}":
-                continue
-            shutil.rmtree(entry, ignore_errors=True)
+            if owner_is_gone(entry.name):
+                shutil.rmtree(entry, ignore_errors=True)
 
     def new_upper(self) -> tuple[Path, Path]:
         """A fresh (upper, work) directory pair on the store's filesystem."""
         base = self.directory / "uppers" / str(next(self._ids))
         upper, work = base / "upper", base / "work"
-        upper.mkdir(parents=True)
-        work.mkdir()
+        base.mkdir(DIRECTORY_MODE)
+        upper.mkdir(DIRECTORY_MODE)  # the sandbox's root: it gets the base tree's mode and owner when mounted
+        work.mkdir(DIRECTORY_MODE)
         return upper, work
 
     def discard_upper(self, upper: Path) -> None:
@@ -190,6 +213,18 @@ class LayerStore:
                     doomed.append(layer)
         for layer in doomed:
             shutil.rmtree(layer.path, ignore_errors=True)
+
+    def storage_gone(self, paths: list[str]) -> bool:
+        """Whether the layers at ``paths`` (which this store does not hold) are gone for every process: one is no
+        longer on disk, or lies in a store whose process has ended (its next opener deletes it). Layers that are
+        still there and still owned, by another process's live store, may yet be forked there."""
+        for path in paths:
+            layer = Path(path)
+            if not layer.exists() or owner_is_gone(layer.parent.parent.name):
+                return True
+            if layer.parent.parent == self.directory and self.lookup([path]) is None:
+                return True  # released by this store: being deleted
+        return False
 
     def live_layers(self) -> list[Layer]:
         with self._lock:

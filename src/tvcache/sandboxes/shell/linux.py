@@ -9,15 +9,20 @@ hundreds of layers never hit the one-page limit of a mount option string.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 
 __all__ = [
+    "CAP_CHECKPOINT_RESTORE",
     "CAP_SYS_ADMIN",
     "CLONE_NEWIPC",
     "CLONE_NEWNET",
     "CLONE_NEWNS",
     "CLONE_NEWPID",
     "CLONE_NEWUTS",
+    "KEPT_CAPABILITIES",
+    "KEPT_CAPABILITY_MASK",
+    "KEPT_CAPABILITY_NUMBERS",
     "LinuxError",
     "default_signal_dispositions",
     "drop_bounding_capabilities",
@@ -74,16 +79,47 @@ FSCONFIG_SET_FLAG = 0
 FSCONFIG_SET_STRING = 1
 FSCONFIG_CMD_CREATE = 6
 MOUNT_ATTR_RDONLY = 1
+MOUNT_ATTR_NOSUID = 2
 MOUNT_ATTR_NODEV = 4
 
 PR_SET_PDEATHSIG = 1
 PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 CAP_SYS_ADMIN = 21
-# Capabilities a sandboxed command could use to undo its confinement or reach past it.
-# dac_read_search (open_by_handle_at reaches host files hidden under the private mounts), sys_admin, sys_module,
-# sys_rawio, sys_chroot, sys_boot, sys_time, mknod, perfmon, bpf
-CONFINING_CAPS = (2, CAP_SYS_ADMIN, 16, 17, 18, 22, 25, 27, 38, 39)
+CAP_CHECKPOINT_RESTORE = 40
+# The only capabilities a sandboxed command keeps (an allowlist: every other one, up to the kernel's last, is
+# dropped, so a capability a newer kernel adds is never granted by default). What a root shell needs to work on
+# its own tree: Docker's default set, less MKNOD (its /dev is ours), SYS_CHROOT (a root filesystem is entered by
+# chroot, and a second chroot escapes the first, to the host's tree in the sandbox's mount namespace) and, by
+# being an allowlist, less everything that reaches the host: SYSLOG (the kernel log), SYS_NICE (real-time
+# scheduling), SYS_PTRACE, NET_ADMIN, SYS_RESOURCE, IPC_LOCK, LEASE, WAKE_ALARM, BLOCK_SUSPEND, AUDIT_CONTROL,
+# MAC_*, DAC_READ_SEARCH (open_by_handle_at reaches host files hidden under the private mounts), SYS_ADMIN,
+# SYS_MODULE, SYS_RAWIO, SYS_BOOT, SYS_TIME, PERFMON, BPF...
+# CHECKPOINT_RESTORE is kept for warm persistent shells alone (``warm``): their bash sets its namespace's next
+# PID itself, by writing ns_last_pid once it knows the snapshot it stands in for, and the kernel checks the
+# writer's CHECKPOINT_RESTORE (or SYS_ADMIN) at that write. It reaches nothing outside the sandbox's own PID
+# namespace (next PIDs, clone3 set_tid, /proc/<pid>/map_files of its own processes); drop it here when warm
+# shells get their next PID another way.
+KEPT_CAPABILITIES: dict[str, int] = {
+    "CAP_CHOWN": 0,
+    "CAP_DAC_OVERRIDE": 1,
+    "CAP_FOWNER": 3,
+    "CAP_FSETID": 4,
+    "CAP_KILL": 5,
+    "CAP_SETGID": 6,
+    "CAP_SETUID": 7,
+    "CAP_SETPCAP": 8,
+    "CAP_NET_BIND_SERVICE": 10,
+    "CAP_NET_RAW": 13,
+    "CAP_AUDIT_WRITE": 29,
+    "CAP_SETFCAP": 31,
+    "CAP_CHECKPOINT_RESTORE": CAP_CHECKPOINT_RESTORE,
+}
+KEPT_CAPABILITY_NUMBERS = frozenset(KEPT_CAPABILITIES.values())
+KEPT_CAPABILITY_MASK = sum(1 << number for number in KEPT_CAPABILITY_NUMBERS)
 
 
 class LinuxError(OSError):
@@ -144,8 +180,11 @@ def mount_overlay(lowers: list[str], upper: str, work: str) -> int:
         _fsconfig_string(fs_fd, b"redirect_dir", "on")
         _check(_syscall(SYS_FSCONFIG, fs_fd, FSCONFIG_CMD_CREATE, None, None, 0), "fsconfig create overlay")
         # nodev: a device node in a layer (a forged published blob, or a base tree's stray one) cannot be opened
-        # from inside the sandbox; commands get their devices from the sandbox's own /dev.
-        return _check(_syscall(SYS_FSMOUNT, fs_fd, FSMOUNT_CLOEXEC, MOUNT_ATTR_NODEV), "fsmount overlay")
+        # from inside the sandbox; commands get their devices from the sandbox's own /dev. nosuid: a setuid or
+        # setgid file (or one with file capabilities) a command made, or a layer brought, grants nothing when run
+        # from the tree, whoever runs it.
+        attributes = MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID
+        return _check(_syscall(SYS_FSMOUNT, fs_fd, FSMOUNT_CLOEXEC, attributes), "fsmount overlay")
     finally:
         os.close(fs_fd)
 
@@ -204,9 +243,33 @@ def default_signal_dispositions() -> None:
             _syscall(SYS_RT_SIGACTION, number, action, None, 8)
 
 
-def drop_bounding_capabilities(caps: tuple[int, ...] = CONFINING_CAPS) -> None:
-    for cap in caps:
-        _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def drop_bounding_capabilities(keep: frozenset[int] = KEPT_CAPABILITY_NUMBERS) -> None:
+    """Limit what the next exec grants to ``keep``: every other capability leaves the bounding set (up to the
+    kernel's last: the first it calls invalid ends the loop), the inheritable and ambient sets are emptied (they
+    would pass capabilities around the bounding set), and no exec may gain privileges again (setuid and file
+    capabilities included). This process keeps its own effective set, which ``Confiner.enter`` still needs."""
+    for cap in range(64):
+        if cap in keep:
+            continue
+        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0:
+            if ctypes.get_errno() == errno.EINVAL:
+                break  # past the kernel's last capability
+            _check(-1, f"drop capability {cap}")
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    _check(_libc.capget(ctypes.byref(header), data), "capget")
+    for half in data:
+        half.inheritable = 0
+    _check(_libc.capset(ctypes.byref(header), data), "capset (inheritable)")
+    _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear the ambient capabilities")
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
@@ -225,3 +288,77 @@ def overlay_supported() -> bool:
         except OSError:
             return False
     return True
+
+
+# ------------------------------------------------------------ the sandbox's own root (a minimal view of the host)
+# Kept apart from the calls above: ``zygote_process.Confiner`` builds a new root of a few host paths with these,
+# pivots into it and detaches the host's.
+
+__all__ += [
+    "MS_SLAVE",
+    "NOSUID_NODEV",
+    "VIEW_ATTRIBUTES",
+    "clone_tree_recursive",
+    "detach_mount",
+    "mount_tmpfs_detached",
+    "open_tree_recursive",
+    "pivot_root",
+    "set_mount_attributes",
+    "set_tree_attributes",
+]
+
+SYS_PIVOT_ROOT = 41 if os.uname().machine == "aarch64" else 155  # another call whose number differs
+MNT_DETACH = 2
+MS_SLAVE = 1 << 19
+NOSUID_NODEV = 0x2 | MOUNT_ATTR_NODEV  # MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV
+# Every host path a sandbox sees: nothing written through it, no set-user-ID program, no device node.
+VIEW_ATTRIBUTES = MOUNT_ATTR_RDONLY | NOSUID_NODEV
+
+
+def pivot_root(new_root: str | bytes, put_old: str | bytes) -> None:
+    _check(_syscall(SYS_PIVOT_ROOT, _path(new_root), _path(put_old)), f"pivot_root {new_root!r}")
+
+
+def detach_mount(target: str | bytes) -> None:
+    """Unmount ``target`` and everything below it, lazily (``umount2(MNT_DETACH)``)."""
+    umount(target, MNT_DETACH)
+
+
+def open_tree_recursive(path: str | bytes) -> int:
+    """A detached recursive bind mount of ``path`` (a file or a directory, with the mounts below it)."""
+    flags = OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE
+    return _check(_syscall(SYS_OPEN_TREE, AT_FDCWD, _path(path), flags), f"open_tree {path!r}")
+
+
+def _mount_setattr(dirfd: int, path: bytes, flags: int, attributes: int, what: str) -> None:
+    attr = _MountAttr(attributes, 0, 0, 0)
+    _check(_syscall(SYS_MOUNT_SETATTR, dirfd, path, flags, ctypes.byref(attr), ctypes.sizeof(attr)), what)
+
+
+def set_tree_attributes(fd: int, attributes: int) -> None:
+    """Set ``MOUNT_ATTR_*`` ``attributes`` on the (detached) mount ``fd`` and every mount below it."""
+    _mount_setattr(fd, b"", AT_EMPTY_PATH | AT_RECURSIVE, attributes, "mount_setattr of a detached tree")
+
+
+def set_mount_attributes(path: str | bytes, attributes: int) -> None:
+    """Set ``MOUNT_ATTR_*`` ``attributes`` on the mount at ``path`` alone (not the mounts below it)."""
+    _mount_setattr(AT_FDCWD, os.fsencode(path), 0, attributes, f"mount_setattr {path!r}")
+
+
+def mount_tmpfs_detached(*, mode: str, size: str | None, attributes: int) -> int:
+    """A new, detached tmpfs (``size``: a tmpfs ``size=`` value, None for the kernel's default); returns its fd."""
+    fs_fd = _check(_syscall(SYS_FSOPEN, b"tmpfs", FSOPEN_CLOEXEC), "fsopen tmpfs")
+    try:
+        _fsconfig_string(fs_fd, b"mode", mode)
+        if size is not None:
+            _fsconfig_string(fs_fd, b"size", size)
+        _check(_syscall(SYS_FSCONFIG, fs_fd, FSCONFIG_CMD_CREATE, None, None, 0), "fsconfig create tmpfs")
+        return _check(_syscall(SYS_FSMOUNT, fs_fd, FSMOUNT_CLOEXEC, attributes), "fsmount tmpfs")
+    finally:
+        os.close(fs_fd)
+
+
+def clone_tree_recursive(fd: int) -> int:
+    """A new detached copy of the mount ``fd`` refers to and of every mount below it."""
+    flags = OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_EMPTY_PATH | AT_RECURSIVE
+    return _check(_syscall(SYS_OPEN_TREE, fd, b"", flags), "open_tree recursive clone")

@@ -39,15 +39,17 @@ import functools
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 from ...calls import ToolCall
 from ...errors import SandboxError, SnapshotDeclined
 from ...protocol import Outcome, Snapshot
+from .cgroups import HitReader
 from .layers import Layer
-from .process import finish_in_thread, run_in_worker
-from .pty_shell import PtyShell
+from .process import ShellResult, describe_hit, finish_in_thread, render_shell, run_in_worker
+from .pty_shell import PtyResult, PtyShell
 from .routes import PERSISTENT_KIND, ROUTES, discard_process_state
 from .sandbox import ShellSandbox, ShellSandboxFactory, _hard_linked, register_persistent_sandbox
 from .session import NEW_SHELL_NOTE, PersistentShellCalls, persistent_command
@@ -60,6 +62,7 @@ from .shell_state import (
     choose_route,
     route_of,
 )
+from .zygote import Spawned
 
 # PERSISTENT_KIND, ROUTES and discard_process_state live in ``routes`` (the factory needs them and cannot import
 # this module); they stay importable from here.
@@ -72,6 +75,7 @@ class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
     def __init__(self, factory: ShellSandboxFactory, layers: list[Layer], image: dict[str, Any] | None) -> None:
         self._shell: PtyShell | None = None
         self._untrusted: str | None = None
+        self._hits: tuple[Spawned, HitReader] | None = None  # the live shell's limit counters
         super().__init__(factory, layers)
         try:
             self._shell = self._start_shell(image)
@@ -104,7 +108,8 @@ class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
 
         if image is None:
             return cold("", None)
-        return route_of(image, ROUTES).restore(ShellLaunch(fresh=restored, mount_fd=mount_fd), image)
+        launch = ShellLaunch(fresh=restored, mount_fd=mount_fd, cgroups=factory.cgroups)
+        return route_of(image, ROUTES).restore(launch, image)
 
     # ---------------------------------------------------------- execute
 
@@ -112,12 +117,70 @@ class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
         command, timeout = persistent_command(call, self._factory.tools, self._factory.timeout)
         async with self._lock:
             self._require_open()
-            run = functools.partial(self._run_command, command, timeout, "")
+            self._note_limit_hit()  # a background process may have hit a limit after the last call returned
+            self._require_within_limits()
+
+            def run(abandon: threading.Event) -> tuple[PtyResult, bool, int | None, bool]:
+                result, restarted, code = self._run_command(command, timeout, "", abandon)
+                return result, restarted, code, self._hit_during_call(result)
+
             try:
-                result, restarted, code = await run_in_worker(run, self._kill_shell)
+                result, restarted, code, hit = await run_in_worker(run, self._kill_shell)
             except OSError as error:
                 raise SandboxError(f"cannot run a command in the persistent shell: {error}") from error
+            if hit:
+                return self._render_limit_hit(result, timeout)
         return self._render(result, restarted, code, timeout)
+
+    def _hit_during_call(self, result: PtyResult) -> bool:
+        """Whether the shell's tree hit a limit during the call that gave ``result`` (in its worker thread). The
+        watcher kills a tree at its first hit, but that may come a moment after the call's end: the counters
+        are read here too (two reads), and a tree over a limit is ended now."""
+        if result.died:
+            return self._note_limit_hit()
+        shell = self._shell
+        spawned = shell.spawned if shell is not None else None
+        cgroups = self._factory.cgroups
+        if shell is None or spawned is None or spawned.cgroup is None or cgroups is None:
+            return False
+        if self._hits is None or self._hits[0] is not spawned:
+            self._close_hits()
+            try:
+                self._hits = (spawned, HitReader(cgroups, spawned.cgroup))
+            except OSError:  # the tree just ended: its exit says if it hit a limit
+                return self._note_limit_hit()
+        kind = self._hits[1].hit()
+        if kind is None:
+            return False
+        self._limit_hit = describe_hit(kind, self._factory.limits)
+        shell.close()  # the watcher kills it too; nothing more runs in this sandbox
+        return True
+
+    def _close_hits(self) -> None:
+        hits, self._hits = self._hits, None
+        if hits is not None:
+            hits[1].close()
+
+    def _note_limit_hit(self) -> bool:
+        """Whether the shell's tree was killed at a limit (the zygote or the CRIU keeper reports it with its
+        exit); the sandbox is then no longer trusted."""
+        shell = self._shell
+        spawned = shell.spawned if shell is not None else None
+        if self._limit_hit is None and spawned is not None and spawned.exited and spawned.limit is not None:
+            self._limit_hit = describe_hit(spawned.limit, self._factory.limits)
+        return self._limit_hit is not None
+
+    def _render_limit_hit(self, result: PtyResult, timeout: float) -> Outcome:
+        plain = ShellResult(
+            output=result.output,
+            total_bytes=result.total_bytes,
+            returncode=result.status or 0,
+            timed_out=result.timed_out,
+            escaped=False,
+            limit=self._limit_hit,
+        )
+        outcome = render_shell(plain, self._factory.max_output_bytes, timeout)
+        return Outcome(output=outcome.output, is_error=True, changed_state=True, deterministic=False)
 
     def _new_shell(self, what: str) -> PtyShell:
         return self._start_shell(None)
@@ -138,6 +201,8 @@ class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
         dest = Path(dest)
         async with self._lock:
             self._require_open()
+            self._note_limit_hit()
+            self._require_within_limits(SnapshotDeclined)
             if dest.exists():
                 raise SandboxError(f"snapshot destination {dest} already exists; pass a path that does not exist")
             # Cancelled (once or again), the snapshot still ends before the lock goes, and a process image it made
@@ -258,6 +323,7 @@ class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
         shell, self._shell = self._shell, None
         if shell is not None:
             shell.close()
+        self._close_hits()
         super()._teardown()
 
 

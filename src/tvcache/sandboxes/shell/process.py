@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from ...calls import ToolCall, ToolSpec
 from ...errors import InvalidToolCall, SandboxError, UnknownTool
 from ...protocol import Outcome
+from .limits import SandboxLimits
 from .zygote import Spawned, SpawnError, Zygote
 
 T = TypeVar("T")
@@ -92,6 +93,7 @@ class ShellResult:
     returncode: int
     timed_out: bool
     escaped: bool
+    limit: str | None = None  # the limit its tree hit, as the output says it (``SandboxLimits.describe``)
 
 
 def fixed_environment(home: str) -> dict[str, str]:
@@ -147,7 +149,12 @@ def render_shell(result: ShellResult, limit: int, timeout: float) -> Outcome:
     if result.total_bytes > limit:
         notes.append(f"[output truncated: first {limit} of {result.total_bytes} bytes shown]")
     is_error, deterministic = False, True
-    if result.timed_out:
+    if result.limit is not None:
+        # The tree was killed at the hit (``cgroups``); how far it got depends on timing, so neither output nor
+        # state can be reproduced.
+        notes.append(f"[{result.limit}]")
+        is_error, deterministic = True, False
+    elif result.timed_out:
         # How far the command got depends on timing, so neither output nor state can be reproduced.
         notes.append(f"[timed out after {timeout:g}s]")
         is_error, deterministic = True, False
@@ -251,11 +258,13 @@ def run_confined(
     limit: int,
     live: set[Spawned],
     abandon: threading.Event,
+    limits: SandboxLimits | None = None,
 ) -> ShellResult:
     """Run ``argv`` confined, started by ``zygote`` as PID 1 of a new PID namespace, with merged, capped output.
 
-    When PID 1 ends (or is killed on timeout), the kernel kills everything else in its namespace before its
-    exit is reported, so nothing the command started outlives the call.
+    When PID 1 ends (or is killed on timeout, or at a hit of one of its cgroup's ``limits``), the kernel kills
+    everything else in its namespace before its exit is reported, so nothing the command started outlives the
+    call.
     """
     read_end, write_end = os.pipe()
     try:
@@ -287,4 +296,12 @@ def run_confined(
         returncode=spawned.returncode,
         timed_out=not exited,
         escaped=reader.is_alive(),
+        limit=describe_hit(spawned.limit, limits),
     )
+
+
+def describe_hit(kind: str | None, limits: SandboxLimits | None) -> str | None:
+    """How the hit of limit ``kind`` reads in a call's output (None: no hit)."""
+    if kind is None:
+        return None
+    return (limits or SandboxLimits()).describe(kind)

@@ -7,13 +7,15 @@ cost about a millisecond whatever the size of the tree, because nothing is copie
 sync on freeze), are shared and reference counted, and are squashed into one when a stack grows deep.
 
 The overlay is a *detached* mount held by a file descriptor, never attached in the host's mount namespace.
-Each command gets its own mount, PID, network, IPC and UTS namespaces: there the whole host is read-only, the
-sandbox's merged tree is attached at the base tree's own path (so every sandbox, and every uncached run, sees
-the same paths), ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run`` are private and empty, ``/proc`` shows only
-the command's own processes, the network is a loopback of its own, and the capabilities that could undo any of
-this are dropped. bash is PID 1 of its PID namespace: when it ends or times out, everything it started dies
-with it. Commands are started by a small helper process per factory (``_zygote``), so the caller's large
-Python process is never forked per command.
+Each command gets its own mount, PID, network, IPC and UTS namespaces: there it sees of the host only the
+system directories, an allowlist of ``/etc`` and the paths the factory declares ``visible``, read-only, in a
+root of its own (``host_view``; ``factory.host_view()`` prints it); the sandbox's merged tree is attached at
+the base tree's own path (so every sandbox, and every uncached run, sees the same paths), ``/tmp``,
+``/var/tmp``, ``/dev/shm`` and ``/run`` are private and empty, ``/proc`` shows only the command's own
+processes, the network is a loopback of its own, and the capabilities that could undo any of this are dropped.
+bash is PID 1 of its PID namespace: when it ends or times out, everything it started dies with it. Commands
+are started by a small helper process per factory (``_zygote``), so the caller's large Python process is never
+forked per command.
 
 With ``persistent=True`` each sandbox keeps one long-lived bash instead (``persistent``): the working
 directory, variables, functions and jobs carry over between calls, and snapshots carry the shell's state too.
@@ -46,11 +48,13 @@ from typing import Any
 
 from ...calls import ToolCall, ToolSpec
 from ...children import run as run_tied
-from ...errors import SandboxError, SnapshotDeclined
+from ...errors import SandboxError, SnapshotDeclined, SnapshotUnusable
 from ...protocol import Outcome, Snapshot
 from ..folder import SH_TOOL, FolderSandbox, FolderSandboxFactory
 from . import linux
+from .host_view import HostView, build_confinement, describe
 from .layers import Layer, LayerStore, upper_digest
+from .limits import DEFAULT_LIMITS, SandboxLimits, cgroup_spec
 from .process import (
     FIXED_PATH,
     ShellResult,
@@ -111,6 +115,7 @@ class ShellSandboxFactory:
         environment: Mapping[str, str] | None = None,
         persistent: bool = False,
         visible: Sequence[str] = (),
+        limits: SandboxLimits | None = DEFAULT_LIMITS,
     ) -> None:
         base = Path(base_dir).resolve()
         if not base.is_dir():
@@ -153,8 +158,16 @@ class ShellSandboxFactory:
         self._routes: Counter[str] = Counter()
         self._routes_lock = threading.Lock()
         self.store = LayerStore(Path(store_root) if store_root is not None else None)
-        self.confinement = replace(_confinement(base, rootfs=rootfs), visible=tuple(visible))
-        self.zygote = Zygote(self.confinement)  # started with the first sandbox; ends with close() or the process
+        self._visible = tuple(os.fspath(path) for path in visible)
+        self.confinement = _confinement(base, rootfs=rootfs, visible=self._visible)
+        # Per sandbox (``limits``): pids, memory and CPU by a cgroup per confined tree (``cgroups``; None where
+        # the host has none, said once), the private tmpfs sizes by their mounts. None: no limits at all.
+        self.limits = limits
+        self.cgroups = cgroup_spec(limits)
+        if limits is not None and limits.tmpfs_bytes is not None:
+            self.confinement = replace(self.confinement, tmpfs_size=str(limits.tmpfs_bytes))
+        # Started with the first sandbox; ends with close() or the process.
+        self.zygote = Zygote(self.confinement, cgroups=self.cgroups)
         self._tools: Mapping[str, ToolSpec] = MappingProxyType({SH_TOOL.name: SH_TOOL})
         self.cost_hints: dict[str, float] = {"start": 0.001, "fork": 0.001, "snapshot": 0.001}
 
@@ -174,6 +187,10 @@ class ShellSandboxFactory:
         if self._persistent_sandbox is None:
             return ShellSandbox(self, layers)
         return self._persistent_sandbox(self, layers, image)  # on failure, it released the layers itself
+
+    def host_view(self) -> HostView:
+        """What this factory's commands see of the host, path by path, and why (``print`` it to audit)."""
+        return describe(self.confinement, visible=self._visible)
 
     def count_route(self, route: object) -> None:
         """Count one snapshot of a persistent shell by the route it took (``shell_state.SnapshotRoute``)."""
@@ -219,10 +236,16 @@ class ShellSandboxFactory:
     def _layers_of(self, snapshot: Snapshot) -> list[Layer]:
         if snapshot.kind != self.kind:
             raise SandboxError(f"cannot fork a shell sandbox from a {snapshot.kind!r} snapshot; use its own backend")
-        layers = self.store.lookup(list(snapshot.meta.get("layers", [])), acquire=True)
+        paths = list(snapshot.meta.get("layers", []))
+        layers = self.store.lookup(paths, acquire=True)
         if layers is None:
+            if self.store.storage_gone(paths):  # for every process: the cache drops the snapshot
+                raise SnapshotUnusable(
+                    f"snapshot {snapshot.path} is missing its layers (discarded, or their process ended); "
+                    "rebuild the state by replaying its calls"
+                )
             raise SandboxError(
-                f"snapshot {snapshot.path} is missing its layers (discarded, or made by another process); "
+                f"snapshot {snapshot.path} stacks layers of another process's store, which only it can fork; "
                 "rebuild the state by replaying its calls"
             )
         return layers
@@ -255,6 +278,7 @@ class ShellSandbox:
         self._mount_fd: int | None = None
         self._stopped = False
         self._last_digest: str | None = None
+        self._limit_hit: str | None = None  # the limit a call hit: the sandbox is no longer trusted
         try:
             _copy_root_attributes(self._top(), self._upper)
             self._mount()
@@ -279,10 +303,13 @@ class ShellSandbox:
         fallback: bool = True,
         persistent: bool = False,
         visible: Sequence[str] = (),
+        limits: SandboxLimits | None = DEFAULT_LIMITS,
     ) -> ShellSandboxFactory | FolderSandboxFactory:
         """Shell sandboxes over ``base_dir`` (a tree, or a root filesystem with ``rootfs=True``); with
-        ``persistent=True``, one long-lived shell per sandbox (see ``persistent``). ``visible``: host
-        directories under the private ``/tmp``, ``/var/tmp`` or ``/run`` that commands still see, read-only.
+        ``persistent=True``, one long-lived shell per sandbox (see ``persistent``). Commands see only a minimal view
+        of the host (``factory.host_view()``); ``visible``: more host paths, files or directories (under the
+        private ``/tmp`` too), that they see there, read-only. ``limits``: what each sandbox may use of the machine
+        (``SandboxLimits``: pids, memory, CPU, tmpfs sizes; None for no limits).
 
         Where overlay mounts are not permitted (not root), returns a ``FolderSandbox`` factory that copies the
         tree instead, with a warning — or raises SandboxError when ``fallback`` is False.
@@ -311,6 +338,7 @@ class ShellSandbox:
             environment=environment,
             persistent=persistent,
             visible=visible,
+            limits=limits,
         )
 
     @classmethod
@@ -364,6 +392,15 @@ class ShellSandbox:
             raise SandboxError("this shell sandbox was stopped; start or fork a new one from the factory")
         return self._mount_fd
 
+    def _require_within_limits(self, error: type[SandboxError] = SandboxError) -> None:
+        """After a call hit a limit, what is left of the sandbox (half-written files, a killed process's
+        partners) depends on timing: nothing more runs in it, and the cache rebuilds the state by replay."""
+        if self._limit_hit is not None:
+            raise error(
+                f"this shell sandbox is no longer trusted: an earlier call ended because {self._limit_hit}; "
+                "start or fork a new one (the cache replays its calls there)"
+            )
+
     # ---------------------------------------------------------- execute
 
     async def execute(self, call: ToolCall) -> Outcome:
@@ -371,9 +408,11 @@ class ShellSandbox:
         timeout = command_timeout(arguments, self._factory.timeout)
         async with self._lock:
             mount_fd = self._require_open()
+            self._require_within_limits()
             known, self._last_digest = self._last_digest, None
             ran = await self._run(mount_fd, arguments["cmd"], timeout, known_digest=known)
             self._last_digest = ran.after
+            self._limit_hit = ran.result.limit
         outcome = render_shell(ran.result, self._factory.max_output_bytes, timeout)
         changed = None if ran.after is None else ran.before != ran.after
         return Outcome(
@@ -398,6 +437,7 @@ class ShellSandbox:
                 limit=factory.max_output_bytes,
                 live=live,
                 abandon=abandon,
+                limits=factory.limits,
             )
             return _Ran(result=result, before=before, after=upper_digest(upper) if prove else None)
 
@@ -416,6 +456,7 @@ class ShellSandbox:
         dest = Path(dest)
         async with self._lock:
             self._require_open()
+            self._require_within_limits(SnapshotDeclined)
             if dest.exists():
                 raise SandboxError(f"snapshot destination {dest} already exists; pass a path that does not exist")
             # A cancelled caller keeps the lock until the freeze's thread is done. A freeze that completed anyway
@@ -449,9 +490,12 @@ class ShellSandbox:
         self._store.acquire([layer])
         self._stack.insert(0, layer)
         self._upper, self._work = self._store.new_upper()
+        # Before a squash too: its copy takes the root's owner and mode from the merged tree, whose root is the
+        # upper's (a fresh upper is 0700 until it takes the tree's).
+        _copy_root_attributes(self._top(), self._upper)
         if len(self._stack) > self._factory.max_layers:
             self._squash()
-        _copy_root_attributes(self._top(), self._upper)
+            _copy_root_attributes(self._top(), self._upper)
         self._mount()
         self._last_digest = None
         return list(self._stack), layer.bytes
@@ -549,9 +593,8 @@ def _copy_root_attributes(source: Path, upper: Path) -> None:
     os.utime(upper, ns=(info.st_atime_ns, info.st_mtime_ns))
 
 
-def _confinement(base: Path, *, rootfs: bool) -> Confinement:
-    """What every command of a factory is confined by; the host directories and devices are looked up once."""
-    # /dev/shm comes with the minimal /dev; the others get a tmpfs each where they exist (checked inside).
-    private = ("/tmp", "/run") if rootfs else tuple(path for path in PRIVATE_DIRS if path != "/dev/shm")
+def _confinement(base: Path, *, rootfs: bool, visible: tuple[str, ...] = ()) -> Confinement:
+    """What every command of a factory is confined by; the host paths and devices are looked up once (/dev/shm
+    comes with the minimal /dev, the other private dirs get a tmpfs each)."""
     devices = tuple(name for name in DEVICES if os.path.exists(f"/dev/{name}"))
-    return Confinement(base=str(base), rootfs=rootfs, private_dirs=private, devices=devices)
+    return build_confinement(base, rootfs=rootfs, devices=devices, visible=visible)

@@ -102,6 +102,7 @@ class ShellLaunch:
 
     fresh: Callable[[str, int | None], PtyShell]
     mount_fd: int
+    cgroups: dict[str, object] | None = None  # the spec of a restored tree's cgroup (``cgroups``), or None
 
 
 class SnapshotStrategy(Protocol):

@@ -14,8 +14,9 @@ Protocol, over ``SOCK_SEQPACKET`` socket pairs (one message per packet):
 
 * main -> zygote, on the control socket: a request (``encode_request``) with three descriptors: the reply
   socket of this command, the write end of its output pipe, and the sandbox's detached overlay mount;
-* zygote -> main, on the reply socket: ``{"pid": N}`` with the command's pidfd, then ``{"exited": code}``
-  (``code`` as in ``Popen.returncode``). When its confinement or exec fails, the command sends
+* zygote -> main, on the reply socket: ``{"pid": N}`` with the command's pidfd (and ``"cgroup": name``), then
+  ``{"exited": code}`` (``code`` as in ``Popen.returncode``; with ``"limit": kind`` when its tree hit a limit of
+  its cgroup and was killed for it, see ``cgroups``). When its confinement or exec fails, the command sends
   ``{"error": text}`` first and exits with 127; when the zygote cannot start it, only ``{"error": text}`` comes.
 * a *warm* shell (``spawn(..., warm_boot_fd=...)``) is started before its sandbox exists: confined as usual but
   with no tree attached, it waits in its boot script for its state on a pipe. ``Spawned.attach`` sends the
@@ -57,14 +58,20 @@ class SpawnError(OSError):
 class Confinement:
     """Where and how a factory's commands are confined; computed once, in the main process."""
 
-    base: str  # the sandbox tree is attached here (rootfs: chrooted into)
+    base: str  # the sandbox tree is attached here (rootfs: it becomes the root)
     rootfs: bool
-    private_dirs: tuple[str, ...]  # each gets a fresh tmpfs where it exists
+    private_dirs: tuple[str, ...]  # each gets a fresh tmpfs (rootfs: where the image has the directory)
     devices: tuple[str, ...]  # names under /dev bound into the minimal /dev
     hostname: str = "sandbox"
-    # Host directories under the private dirs that stay visible, read-only (a program the sandbox must run that
-    # is installed under /tmp, say); not with rootfs.
+    # The host paths in the sandbox's new root (``host_view``), each bound read-only, nosuid, nodev at its own
+    # place: the system directories and allowed /etc entries, then the ones the factory declared visible (files
+    # or directories, parents first); and host symlinks recreated as they are, (path, target). Not with rootfs.
+    system: tuple[str, ...] = ()
     visible: tuple[str, ...] = ()
+    links: tuple[tuple[str, str], ...] = ()
+    # A tmpfs ``size=`` value ("1g") for each private tmpfs (/tmp, /var/tmp, /run, /dev/shm); None: the kernel's
+    # default (half the memory, each).
+    tmpfs_size: str | None = None
 
 
 class Spawned:
@@ -79,6 +86,8 @@ class Spawned:
         self._attached = False
         self.pid: int | None = None  # the command's process id in the caller's PID namespace
         self.returncode: int | None = None
+        self.cgroup: str | None = None  # the name of its tree's cgroup (``cgroups``), when it has one
+        self.limit: str | None = None  # the kind of limit its tree hit ("memory", "pids"), if any
         self.errors: list[str] = []
 
     def _handle_one(self, timeout: float | None) -> bool:
@@ -99,10 +108,13 @@ class Spawned:
             with self._lock:
                 self._pidfd = fds[0]
                 self.pid = int(reply["pid"])
+                self.cgroup = reply.get("cgroup")
         if "error" in reply:
             self.errors.append(str(reply["error"]))
         if "attached" in reply:
             self._attached = True
+        if "limit" in reply:
+            self.limit = str(reply["limit"])
         if "exited" in reply:
             self.returncode = reply["exited"]
             self._done = True
@@ -171,7 +183,7 @@ import importlib, sys, types
 package = types.ModuleType("_tvcache_zygote")
 package.__path__ = [sys.argv[1]]
 sys.modules["_tvcache_zygote"] = package
-importlib.import_module("_tvcache_zygote.zygote_process").serve(int(sys.argv[2]), sys.argv[3])
+importlib.import_module("_tvcache_zygote.zygote_process").serve(int(sys.argv[2]), *sys.argv[3:])
 """
 
 
@@ -182,8 +194,9 @@ class Zygote:
     commands it still runs; so does garbage collection, and the end of the main process.
     """
 
-    def __init__(self, confinement: Confinement) -> None:
+    def __init__(self, confinement: Confinement, *, cgroups: dict[str, object] | None = None) -> None:
         self.confinement = confinement
+        self.cgroups = cgroups  # the spec of each confined tree's cgroup (``cgroups``), or None: no limits
         self._lock = threading.Lock()
         self._control: socket.socket | None = None
         self._process: subprocess.Popen[bytes] | None = None
@@ -245,7 +258,7 @@ class Zygote:
                 directory = str(Path(__file__).resolve().parent)
                 boot = [sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, directory, str(theirs.fileno())]
                 self._process = subprocess.Popen(
-                    [*boot, json.dumps(asdict(self.confinement))],
+                    [*boot, json.dumps(asdict(self.confinement)), json.dumps(self.cgroups)],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     cwd="/",

@@ -15,10 +15,12 @@ import os
 import select
 import signal
 import socket
+import stat
 import struct
 import termios
 
 from . import linux
+from .cgroups import LimitWatch, TreeCgroup
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -108,11 +110,67 @@ def receive(channel: socket.socket, buffer: bytearray, max_fds: int) -> tuple[by
 # ------------------------------------------------------------------------------------- confinement
 
 
+class HostRoot:
+    """The host paths a zygote's commands see, gathered once per zygote (per command, that cost a spare
+    ~1 ms): a detached copy of the commands' new root, read-only, with the host paths bound in and the mount
+    points of the rest made, and detached copies of the visible host paths under the private dirs (they go over
+    each command's fresh tmpfs). Each command clones them, a few system calls whatever their number. The
+    root's tmpfs (mount points and symlinks only) is one for all commands, read-only in each."""
+
+    def __init__(self, root: int, private: list[tuple[str, int]]) -> None:
+        self.root = root
+        self.private = private
+
+    def fds(self) -> list[int]:
+        return [self.root, *(tree for _, tree in self.private)]
+
+    @classmethod
+    def build(cls, confiner: Confiner) -> HostRoot:
+        """Built in the zygote's own mount namespace, which it enters for good (a slave of the host's: nothing
+        mounted here reaches the host): a tmpfs stacked over ``/`` and entered, where the host paths (cloned
+        before) are attached relative to it, copied, and detached again. Commands clone the copies before they
+        leave this namespace: the kernel clones a detached mount only in the namespace it was made in."""
+        linux.unshare(linux.CLONE_NEWNS)
+        linux.mount(None, "/", None, linux.MS_REC | linux.MS_SLAVE)
+        trees: list[tuple[str, int]] = []
+        private: list[tuple[str, int]] = []
+        try:
+            for path in (*confiner.system, *confiner.visible):
+                tree = linux.open_tree_recursive(path)
+                linux.set_tree_attributes(tree, linux.VIEW_ATTRIBUTES)
+                under = any(_below(path, top) for top in confiner.private_dirs)
+                (private if under else trees).append((path, tree))
+            root = linux.mount_tmpfs_detached(mode="0755", size=_ROOT_SIZE, attributes=linux.NOSUID_NODEV)
+            try:
+                linux.move_mount(root, "/")
+                os.fchdir(root)
+            finally:
+                os.close(root)
+            try:
+                make_mount_points(confiner, {path: stat.S_ISDIR(os.fstat(tree).st_mode) for path, tree in trees})
+                for path, tree in trees:
+                    _attach(tree, path)
+                trees = []
+                linux.set_mount_attributes(".", linux.VIEW_ATTRIBUTES)
+                return cls(linux.open_tree_recursive("."), private)
+            finally:
+                linux.detach_mount(".")
+                os.chdir("/")
+        except BaseException:
+            for _, tree in (*trees, *private):
+                os.close(tree)
+            raise
+
+
 class Confiner:
     """The steps that confine a command, run by its own process: PID 1 of a new PID namespace.
 
     ``prepare`` runs before the command is known (in a spare, ahead of time); ``enter`` attaches the sandbox's
     tree once it is. Both are lists of named steps, so that ``tvcache bench shell`` can time each one.
+
+    The command gets a root of its own (``host_view`` says what is in it): a clone of the zygote's ``HostRoot``,
+    stacked over ``/`` and pivoted into; the host's root is detached. Over a root filesystem (``rootfs``) the
+    root is the sandbox's own tree, chrooted into at ``enter`` from an empty root (``empty_root``).
     """
 
     def __init__(
@@ -123,23 +181,40 @@ class Confiner:
         private_dirs: Sequence[str],
         devices: Sequence[str],
         hostname: str,
+        system: Sequence[str] = (),
         visible: Sequence[str] = (),
+        links: Sequence[Sequence[str]] = (),
+        tmpfs_size: str | None = None,
     ) -> None:
         self.base = base
         self.rootfs = rootfs
         self.private_dirs = list(private_dirs)
         self.devices = list(devices)
         self.hostname = hostname
+        self.system = [] if rootfs else list(system)
         self.visible = [] if rootfs else list(visible)
+        self.links = [] if rootfs else [(str(path), str(target)) for path, target in links]
+        self.tmpfs_options = "mode=1777" if tmpfs_size is None else f"mode=1777,size={tmpfs_size}"
+        self.host_root: HostRoot | str | None = None  # set by the zygote (a string: why it could not be built)
         self._device_trees: list[tuple[str, int]] = []
-        self._visible_trees: list[tuple[str, int]] = []
+        self._private_trees: list[tuple[str, int]] = []
+        self._root = -1
         self._tree = -1
+        self._null = -1
 
     def prepare_steps(self) -> list[tuple[str, Callable[[], None]]]:
-        steps = [("unshare mount/net/ipc/uts", self.unshare), ("clone devices", self.clone_devices)]
+        steps: list[tuple[str, Callable[[], None]]] = []
+        if not self.rootfs and self.host_root is None:  # outside a zygote (``tvcache bench shell``)
+            steps.append(("view of the host (once per zygote)", self.build_host_root))
         if not self.rootfs:
-            steps += [("host read-only", self.host_read_only), ("mount proc", self.mount_proc)]
+            steps.append(("clone the new root", self.clone_root))
+        steps += [("unshare mount/net/ipc/uts", self.unshare), ("clone devices", self.clone_devices)]
+        if not self.rootfs:
+            steps += [("attach the new root", self.attach_root), ("pivot root", _pivot_here)]
             steps += [("minimal /dev", self.minimal_dev), ("private tmpfs", self.private_tmpfs)]
+            steps += [("mount proc", self.mount_proc)]
+        else:
+            steps += [("new root, empty", self.empty_root), ("pivot root", _pivot_here)]
         return [*steps, ("loopback up", self.loopback_up), ("hostname, capabilities", self.set_identity)]
 
     def enter_steps(self, mount_fd: int) -> list[tuple[str, Callable[[], None]]]:
@@ -161,13 +236,33 @@ class Confiner:
         linux.unshare(linux.CLONE_NEWNS | linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS)
         linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
 
-    def clone_devices(self) -> None:
-        """Detached copies of the harmless devices, taken before the host turns read-only."""
-        self._device_trees = [(name, linux.open_tree_path(f"/dev/{name}")) for name in self.devices]
-        self._visible_trees = [(path, linux.open_tree_path(path)) for path in self.visible if os.path.isdir(path)]
+    def build_host_root(self) -> None:
+        """What a zygote does once, for a confiner used alone (this process enters a mount namespace of its own)."""
+        self.host_root = HostRoot.build(self)
 
-    def host_read_only(self) -> None:
-        linux.set_recursive_readonly("/")
+    def clone_root(self) -> None:
+        """Copies of the zygote's new root and visible paths under the private dirs, taken in its namespace."""
+        if not isinstance(self.host_root, HostRoot):
+            raise OSError(f"cannot build the sandbox's view of the host: {self.host_root or 'not built'}")
+        self._root = linux.clone_tree_recursive(self.host_root.root)
+        self._private_trees = [(path, linux.clone_tree_recursive(tree)) for path, tree in self.host_root.private]
+
+    def clone_devices(self) -> None:
+        """Detached copies of the harmless devices, taken while the host's /dev is still there, and /dev/null
+        opened (a command's stdin, taken before a root filesystem's /dev is there)."""
+        self._device_trees = [(name, linux.open_tree_path(f"/dev/{name}")) for name in self.devices]
+        self._null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+
+    def null_input(self) -> int:
+        return self._null if self._null >= 0 else os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+
+    def attach_root(self) -> None:
+        """The new root stacked over ``/``, and entered."""
+        try:
+            linux.move_mount(self._root, "/")
+            os.fchdir(self._root)
+        finally:
+            os.close(self._root)
 
     def mount_proc(self) -> None:
         """A proc of this PID namespace only: the host's would show host processes, and its
@@ -177,7 +272,7 @@ class Confiner:
 
     def minimal_dev(self) -> None:
         """A /dev holding only harmless devices: no disk of the host can be opened from inside."""
-        linux.mount("tmpfs", "/dev", "tmpfs", linux.MS_NOSUID, "mode=755")
+        linux.mount("tmpfs", "/dev", "tmpfs", TMPFS_FLAGS, "mode=755")
         for name, tree in self._device_trees:
             with open(f"/dev/{name}", "w"):
                 pass
@@ -185,26 +280,27 @@ class Confiner:
             os.close(tree)
             # The clone is the host's own device inode: read-only, so a command's chmod, chown or touch cannot
             # change the host's /dev/null (reading and writing the device still work: a read-only mount does
-            # not refuse I/O to device files).
+            # not refuse I/O to device files). The /dev tmpfs being nodev does not reach these: each device is
+            # a mount of its own.
             linux.set_recursive_readonly(f"/dev/{name}")
+        self._device_trees = []
         os.mkdir("/dev/shm", 0o1777)
-        linux.mount("tmpfs", "/dev/shm", "tmpfs", TMPFS_FLAGS, "mode=1777")
+        linux.mount("tmpfs", "/dev/shm", "tmpfs", TMPFS_FLAGS, self.tmpfs_options)
         for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1")):
             os.symlink(target, f"/dev/{name}")
         os.symlink("/proc/self/fd/2", "/dev/stderr")
 
     def private_tmpfs(self) -> None:
+        """Fresh tmpfs dirs, then the visible host paths under them, read-only where they were; and the mount
+        point of the tree (the base may sit under a private tmpfs)."""
         for path in self.private_dirs:
             if os.path.isdir(path):
-                linux.mount("tmpfs", path, "tmpfs", TMPFS_FLAGS, "mode=1777")
-        for path, tree in self._visible_trees:  # back over the fresh tmpfs, where they were, read-only
-            os.makedirs(path, exist_ok=True)
-            linux.move_mount(tree, path)
-            os.close(tree)
-            linux.set_recursive_readonly(path)
-        self._visible_trees = []
+                linux.mount("tmpfs", path, "tmpfs", TMPFS_FLAGS, self.tmpfs_options)
+        for path, tree in self._private_trees:
+            _attach(tree, path)
+        self._private_trees = []
         if not self.rootfs:
-            os.makedirs(self.base, exist_ok=True)  # the base may sit under a private tmpfs now
+            os.makedirs(self.base, exist_ok=True)
 
     def loopback_up(self) -> None:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -219,6 +315,19 @@ class Confiner:
     def clone_tree(self, mount_fd: int) -> None:
         self._tree = linux.open_tree_clone(mount_fd)
 
+    def empty_root(self) -> None:
+        """Over a root filesystem: a tmpfs over ``/`` holding only the tree's mount point, read-only, entered.
+        Pivoted into ahead of time (detaching the host's root costs ~0.2 ms), the tree is chrooted into at
+        ``enter``: the namespace then holds nothing of the host's filesystem to escape the chroot to."""
+        root = linux.mount_tmpfs_detached(mode="0755", size=_ROOT_SIZE, attributes=linux.NOSUID_NODEV)
+        try:
+            linux.move_mount(root, "/")
+            os.fchdir(root)
+        finally:
+            os.close(root)
+        os.makedirs(_here(self.base))
+        linux.set_mount_attributes(".", linux.VIEW_ATTRIBUTES)
+
     def enter_rootfs(self) -> None:
         linux.move_mount(self._tree, self.base)
         os.close(self._tree)
@@ -231,15 +340,77 @@ class Confiner:
         os.chdir(self.base)
 
 
+_ROOT_SIZE = "4m"  # the new root holds only mount points and symlinks
+_ROOT_ATTRIBUTES = linux.NOSUID_NODEV
+
+
+def _here(path: str) -> str:
+    """``path`` relative to the working directory: the new root while it is built, ``/`` after."""
+    return path.lstrip("/") or "."
+
+
+def _below(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _make_parents(path: str) -> None:
+    parent = os.path.dirname(_here(path))
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+
+
+def make_mount_points(confiner: Confiner, host_paths: dict[str, bool]) -> None:
+    """In the working directory, an empty tmpfs that becomes the new root: the host's symlinks, and the mount
+    points of what is mounted there: ``host_paths`` (each a directory, True, or a file, False), ``/proc``,
+    ``/dev``, the private dirs and the tree. A CRIU restore gets the same (``_criu_keeper``)."""
+    for path, target in confiner.links:
+        _make_parents(path)
+        os.symlink(target, _here(path))
+    for path, directory in host_paths.items():
+        _make_mount_point(path, directory=directory)
+    for path in ("/proc", "/dev", *confiner.private_dirs):
+        os.makedirs(_here(path), exist_ok=True)
+    if not any(_below(confiner.base, top) for top in confiner.private_dirs):
+        os.makedirs(_here(confiner.base), exist_ok=True)
+
+
+def _make_mount_point(path: str, *, directory: bool) -> None:
+    target = _here(path)
+    if not os.path.lexists(target):
+        _make_parents(path)
+        if directory:
+            os.mkdir(target)
+        else:
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+
+
+def _attach(tree: int, path: str) -> None:
+    """Attach the detached host path ``tree`` at ``path`` in the new root, making its mount point."""
+    try:
+        _make_mount_point(path, directory=stat.S_ISDIR(os.fstat(tree).st_mode))
+        linux.move_mount(tree, _here(path))
+    finally:
+        os.close(tree)
+
+
+def _pivot_here() -> None:
+    """Make the working directory (a mount) the root, the old root detached: ``pivot_root(".", ".")`` stacks
+    the old root over the new one, where it is unmounted, with everything below it."""
+    linux.pivot_root(".", ".")
+    linux.detach_mount(".")
+    os.chdir("/")
+
+
 # ---------------------------------------------------------------------------------------- the loop
 
 
 class _Child:
     """A forked child of the zygote: a spare waiting for its command, then the command itself."""
 
-    __slots__ = ("channel", "pid", "pidfd", "reply", "waiting")
+    __slots__ = ("cgroup", "channel", "pid", "pidfd", "reply", "waiting")
 
-    def __init__(self, pid: int, pidfd: int, channel: socket.socket) -> None:
+    def __init__(self, pid: int, pidfd: int, channel: socket.socket, cgroup: TreeCgroup | None = None) -> None:
+        self.cgroup = cgroup  # made for it, with the factory's limits (``cgroups``), or None: no limits
         self.pid = pid
         self.pidfd = pidfd
         self.channel = channel  # the zygote's end; the command arrives through it
@@ -250,9 +421,24 @@ class _Child:
 class Server:
     """The zygote's loop: hand each requested command to a spare, report its exit, keep spares ready."""
 
-    def __init__(self, control: socket.socket, confinement: dict[str, object]) -> None:
+    def __init__(
+        self, control: socket.socket, confinement: dict[str, object], cgroups: dict[str, object] | None = None
+    ) -> None:
         self.control = control
         self.confinement = confinement
+        # What commands see of the host (not with rootfs: their root is their tree), built once, first: it puts
+        # the zygote in a mount namespace of its own.
+        self.host_root: HostRoot | str | None = None
+        if not confinement.get("rootfs"):
+            try:
+                self.host_root = HostRoot.build(Confiner(**confinement))  # type: ignore[arg-type]
+            except OSError as error:  # reported by each command
+                self.host_root = str(error)
+        self.cgroups = cgroups  # each child's cgroup is made from it (``cgroups``); None: no limits
+        self.limits = LimitWatch(self.kill_over_limit)
+        self.made = 0
+        self.unremoved: list[TreeCgroup] = []  # of reaped children: removed when nothing runs
+        self.busy: list[TreeCgroup] = []  # not empty yet when that was tried: tried again after the next reap
         self.own_pid_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         self.own_mount_namespace = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
         self.attaching: dict[int, _Child] = {}  # warm shells by the descriptor of their reply socket
@@ -267,16 +453,24 @@ class Server:
 
     def loop(self) -> None:
         while True:
-            events = self.poller.poll(0 if self.wants_spare() else None)
-            if not events:  # nothing to answer: get a spare ready for a next command
-                try:
-                    self.spares.append(self.fork())
-                except OSError:
-                    self.make_spares = False  # retried after the next request
+            idle = self.wants_spare() or (self.unremoved and (not self.running or len(self.unremoved) > SPARES))
+            timeout = self.limits.timeout(0 if idle else None)
+            events = self.poller.poll(None if timeout is None else timeout * 1000)
+            self.limits.check()
+            if not events:  # nothing to answer: get a spare ready for a next command, remove old cgroups
+                if self.unremoved:
+                    self.remove_cgroups()
+                elif self.wants_spare():
+                    try:
+                        self.spares.append(self.fork())
+                    except OSError:
+                        self.make_spares = False  # retried after the next request
                 continue
             for fd, _ in events:
                 if fd in self.attaching:
                     self.attach(self.attaching[fd])
+                elif self.limits.owns(fd):
+                    self.limits.fired(fd)
                 elif fd != self.control.fileno():
                     self.reap(self.children.pop(fd))
                 elif not self.request():
@@ -291,6 +485,9 @@ class Server:
 
     def fork(self) -> _Child:
         """A new child, PID 1 of a new PID namespace, which confines itself and then waits for its command."""
+        self.made += 1
+        # Named here, made by the child itself (``cgroups``: why), in parallel with this loop.
+        group = None if self.cgroups is None else TreeCgroup.named(self.cgroups, f"{os.getpid()}-{self.made}")
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             linux.unshare(linux.CLONE_NEWPID)  # for our next child only
@@ -300,14 +497,14 @@ class Server:
                 linux.setns(self.own_pid_namespace, linux.CLONE_NEWPID)
                 raise
             if pid == 0:
-                _serve_one(theirs, self.confinement, self.alive)
+                _serve_one(theirs, self.confinement, self.alive, group, self.host_root)
             linux.setns(self.own_pid_namespace, linux.CLONE_NEWPID)
         except BaseException:
             mine.close()
             raise
         finally:
             theirs.close()
-        child = _Child(pid, os.pidfd_open(pid), mine)
+        child = _Child(pid, os.pidfd_open(pid), mine, group)
         self.children[child.pidfd] = child
         self.poller.register(child.pidfd, select.POLLIN)
         return child
@@ -331,13 +528,16 @@ class Server:
             return True
         child.reply = reply
         self.running += 1
+        if child.cgroup is not None:
+            self.limits.watch(child, child.cgroup, self.poller)
         if request_header(data).get("warm"):
             child.waiting = True
             self.attaching[reply.fileno()] = child
             self.poller.register(reply, select.POLLIN)
         try:
             # The pidfd first: the woken child may take this CPU until its command ends.
-            send(reply, message(pid=child.pid), [child.pidfd])
+            named = {"cgroup": child.cgroup.name} if child.cgroup is not None else {}
+            send(reply, message(pid=child.pid, **named), [child.pidfd])
             send(child.channel, data, fds)
         except OSError as error:
             _send_quietly(reply, message(error=f"cannot start the command: {error}"))
@@ -396,20 +596,51 @@ class Server:
     def reap(self, child: _Child) -> None:
         self.stop_waiting(child)
         self.poller.unregister(child.pidfd)
-        _, status = os.waitpid(child.pid, 0)
+        _, status = os.waitpid(child.pid, 0)  # PID 1: everything in its namespace, and so its cgroup, is gone
         os.close(child.pidfd)
         child.channel.close()
+        limit = self.limits.unwatch(child, self.poller)
         if child in self.spares:  # killed while it waited: make no more until the next request
             self.spares.remove(child)
             self.make_spares = False
         if child.reply is not None:
             self.running -= 1
-            _reply_and_close(child.reply, message(exited=os.waitstatus_to_exitcode(status)))
+            exited = {"exited": os.waitstatus_to_exitcode(status), **({"limit": limit} if limit else {})}
+            _reply_and_close(child.reply, message(**exited))
+        if child.cgroup is not None:  # removed once nothing runs: off the commands' path
+            self.unremoved += [*self.busy, child.cgroup]
+            self.busy = []
+
+    def remove_cgroups(self) -> None:
+        self.busy += [group for group in self.unremoved if not group.remove(timeout=0)]
+        self.unremoved = []
+
+    def kill_over_limit(self, child: object) -> None:
+        """A running child's tree hit a limit: end it now (the hit is reported with its exit)."""
+        assert isinstance(child, _Child)
+        try:
+            signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def shutdown(self) -> None:
+        """The main process is gone: end every child (PID 1 of its namespace) and remove their cgroups."""
+        for child in list(self.children.values()):
+            self.kill_over_limit(child)
+        for child in list(self.children.values()):
+            os.waitpid(child.pid, 0)
+            if child.cgroup is not None:
+                self.unremoved.append(child.cgroup)
+        for group in [*self.unremoved, *self.busy]:
+            group.remove()
 
 
-def serve(control_fd: int, confinement: str) -> None:
-    """The zygote's entry point: serve the main process until it closes the control socket."""
-    Server(socket.socket(fileno=control_fd), json.loads(confinement)).loop()
+def serve(control_fd: int, confinement: str, cgroups: str = "null") -> None:
+    """The zygote's entry point: serve the main process until it closes the control socket. ``cgroups``: the
+    spec of its children's cgroups (JSON, ``cgroups``), or null."""
+    server = Server(socket.socket(fileno=control_fd), json.loads(confinement), json.loads(cgroups))
+    server.loop()
+    server.shutdown()
 
 
 def _send_quietly(reply: socket.socket, data: bytes) -> None:
@@ -438,19 +669,33 @@ def _default_signals() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
-def _serve_one(channel: socket.socket, confinement: dict[str, object], alive: int) -> NoReturn:
-    """In a forked child, PID 1 of its new PID namespace: confine, wait for one command, exec it. Never returns."""
+def _serve_one(
+    channel: socket.socket,
+    confinement: dict[str, object],
+    alive: int,
+    cgroup: TreeCgroup | None = None,
+    host_root: HostRoot | str | None = None,
+) -> NoReturn:
+    """In a forked child, PID 1 of its new PID namespace: enter its cgroup, confine, wait for one command, exec
+    it. Never returns."""
     reply_fd = -1
     last_pid = -1
     try:
-        keep = sorted({channel.fileno(), alive})
-        os.closerange(3, keep[0])  # the zygote's other descriptors: other children's channels, replies...
-        os.closerange(keep[0] + 1, keep[1])
-        os.closerange(keep[1] + 1, 1 << 20)
+        keep = sorted({channel.fileno(), alive, *(host_root.fds() if isinstance(host_root, HostRoot) else ())})
+        # The zygote's other descriptors: other children's channels, replies...
+        for low, high in zip([2, *keep], [*keep, 1 << 20], strict=True):
+            os.closerange(low + 1, high)
         linux.set_parent_death_signal(signal.SIGKILL)
         if select.select([alive], [], [], 0)[0]:
             os._exit(EXIT_FAILED)  # the zygote died before the line above
         os.close(alive)
+        entered: BaseException | None = None
+        try:
+            if cgroup is not None:  # first: whatever it starts is born in its cgroup (see ``cgroups``: why here)
+                cgroup.make()
+                cgroup.enter()
+        except OSError as error:  # reported with the command: no command runs without its limits
+            entered = OSError(f"cannot enter the sandbox's cgroup {cgroup.name if cgroup else ''}: {error}")
         os.setsid()
         try:
             # Opened while the host's /proc is still writable; a write resolves the PID namespace of the writer.
@@ -458,6 +703,7 @@ def _serve_one(channel: socket.socket, confinement: dict[str, object], alive: in
         except OSError:
             last_pid = -1  # reported below if a command asks for it
         confiner = Confiner(**confinement)  # type: ignore[arg-type]
+        confiner.host_root = host_root
         failure: BaseException | None = None
         try:
             confiner.prepare()
@@ -467,6 +713,7 @@ def _serve_one(channel: socket.socket, confinement: dict[str, object], alive: in
         if not data or len(fds) != 3:
             os._exit(EXIT_FAILED)  # the zygote discarded this spare
         reply_fd, output_fd, mount_fd = fds
+        failure = entered or failure
         if failure is not None:
             raise failure
         argv, env, header = decode_request(data)
@@ -479,7 +726,7 @@ def _serve_one(channel: socket.socket, confinement: dict[str, object], alive: in
             os.dup2(output_fd, 0)
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # we lead a new session: the pty becomes its terminal
         else:
-            os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
+            os.dup2(confiner.null_input(), 0)
         os.dup2(output_fd, 1)
         os.dup2(output_fd, 2)
         wanted = header.get("last_pid")
