@@ -51,7 +51,7 @@ from ..protocol import Outcome, Snapshot
 from .docker_container import ContainerHost, ContainerSandbox
 from .docker_engine import PERSISTENT_KIND, no_bash, run_cli_async
 from .shell.cgroups import MEMORY
-from .shell.process import ShellResult, render_shell, run_in_worker
+from .shell.process import render_shell, run_in_worker
 from .shell.pty_shell import (
     BOOT_COMMAND,
     BOOT_HEAD,
@@ -306,14 +306,7 @@ class PersistentDockerSandbox(PersistentShellCalls, ContainerSandbox):
         return None
 
     def _render_limit_hit(self, result: PtyResult, hit: str, timeout: float) -> Outcome:
-        plain = ShellResult(
-            output=result.output,
-            total_bytes=result.total_bytes,
-            returncode=result.status or 0,
-            timed_out=result.timed_out,
-            escaped=False,
-            limit=hit,
-        )
+        plain = result.as_shell_result(limit=hit)
         outcome = render_shell(plain, self._factory.max_output_bytes, timeout)
         return Outcome(output=outcome.output, is_error=True, changed_state=True, deterministic=False)
 

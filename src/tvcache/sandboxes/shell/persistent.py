@@ -48,7 +48,7 @@ from ...errors import SandboxError, SnapshotDeclined
 from ...protocol import Outcome, Snapshot
 from .cgroups import HitReader
 from .layers import Layer
-from .process import ShellResult, describe_hit, finish_in_thread, render_shell, run_in_worker
+from .process import describe_hit, finish_in_thread, render_shell, run_in_worker
 from .pty_shell import PtyResult, PtyShell
 from .routes import PERSISTENT_KIND, ROUTES, discard_process_state
 from .sandbox import ShellSandbox, ShellSandboxFactory, _hard_linked, register_persistent_sandbox
@@ -171,14 +171,7 @@ class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
         return self._limit_hit is not None
 
     def _render_limit_hit(self, result: PtyResult, timeout: float) -> Outcome:
-        plain = ShellResult(
-            output=result.output,
-            total_bytes=result.total_bytes,
-            returncode=result.status or 0,
-            timed_out=result.timed_out,
-            escaped=False,
-            limit=self._limit_hit,
-        )
+        plain = result.as_shell_result(limit=self._limit_hit)
         outcome = render_shell(plain, self._factory.max_output_bytes, timeout)
         return Outcome(output=outcome.output, is_error=True, changed_state=True, deterministic=False)
 

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import SandboxError
+from .process import ShellResult
 from .zygote import Spawned, Zygote
 
 __all__ = ["CAPTURE_SIGNAL", "OutputCollector", "PtyResult", "PtyShell", "ShellGone", "Terminal", "ansi_c_quote"]
@@ -162,6 +163,18 @@ class PtyResult:
     status: int | None
     timed_out: bool
     died: bool
+
+    def as_shell_result(self, *, limit: str | None = None) -> ShellResult:
+        """This run as the one-shot shells' result, to be rendered the same way (a command that never finished
+        reads as status 0: its timeout or death is said by the renderer or the caller)."""
+        return ShellResult(
+            output=self.output,
+            total_bytes=self.total_bytes,
+            returncode=self.status or 0,
+            timed_out=self.timed_out,
+            escaped=False,
+            limit=limit,
+        )
 
 
 class OutputCollector:

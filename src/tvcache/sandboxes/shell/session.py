@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from ...calls import ToolCall, ToolSpec
 from ...errors import InvalidToolCall
 from ...protocol import Outcome
-from .process import ShellResult, command_timeout, render_shell, validated
+from .process import command_timeout, render_shell, validated
 from .pty_shell import PtyResult, PtyShell
 
 __all__ = ["NEW_SHELL_NOTE", "PersistentShellCalls", "persistent_command"]
@@ -76,13 +76,7 @@ class PersistentShellCalls:
         return result, restarted, code
 
     def _render(self, result: PtyResult, restarted: bool, code: int | None, timeout: float) -> Outcome:
-        plain = ShellResult(
-            output=result.output,
-            total_bytes=result.total_bytes,
-            returncode=result.status or 0,
-            timed_out=result.timed_out,
-            escaped=False,
-        )
+        plain = result.as_shell_result()
         outcome = render_shell(plain, self._output_limit(), timeout)
         text = outcome.output
         if result.died:

@@ -140,12 +140,7 @@ class HostRoot:
                 linux.set_tree_attributes(tree, linux.VIEW_ATTRIBUTES)
                 under = any(_below(path, top) for top in confiner.private_dirs)
                 (private if under else trees).append((path, tree))
-            root = linux.mount_tmpfs_detached(mode="0755", size=_ROOT_SIZE, attributes=linux.NOSUID_NODEV)
-            try:
-                linux.move_mount(root, "/")
-                os.fchdir(root)
-            finally:
-                os.close(root)
+            _enter_small_root()
             try:
                 make_mount_points(confiner, {path: stat.S_ISDIR(os.fstat(tree).st_mode) for path, tree in trees})
                 for path, tree in trees:
@@ -319,12 +314,7 @@ class Confiner:
         """Over a root filesystem: a tmpfs over ``/`` holding only the tree's mount point, read-only, entered.
         Pivoted into ahead of time (detaching the host's root costs ~0.2 ms), the tree is chrooted into at
         ``enter``: the namespace then holds nothing of the host's filesystem to escape the chroot to."""
-        root = linux.mount_tmpfs_detached(mode="0755", size=_ROOT_SIZE, attributes=linux.NOSUID_NODEV)
-        try:
-            linux.move_mount(root, "/")
-            os.fchdir(root)
-        finally:
-            os.close(root)
+        _enter_small_root()
         os.makedirs(_here(self.base))
         linux.set_mount_attributes(".", linux.VIEW_ATTRIBUTES)
 
@@ -342,6 +332,17 @@ class Confiner:
 
 _ROOT_SIZE = "4m"  # the new root holds only mount points and symlinks
 _ROOT_ATTRIBUTES = linux.NOSUID_NODEV
+
+
+def _enter_small_root() -> None:
+    """A small tmpfs (mount points and symlinks only) stacked over ``/`` and made the working directory, where
+    the new root is built before the pivot."""
+    root = linux.mount_tmpfs_detached(mode="0755", size=_ROOT_SIZE, attributes=_ROOT_ATTRIBUTES)
+    try:
+        linux.move_mount(root, "/")
+        os.fchdir(root)
+    finally:
+        os.close(root)
 
 
 def _here(path: str) -> str:
