@@ -23,7 +23,9 @@ from .usage import PROVIDERS
 
 if TYPE_CHECKING:
     from .chat import ChatSetup
+    from .evaluation.runner import RunResult
     from .gateway import Gateway
+    from .tokens import Tokenizer
 
 DEFAULT_PACKAGES = ("base", "geography", "internet")
 EVAL_WORKLOADS = ("suite", "dialogue", "longtail", "dialogue-211", "mcp")
@@ -142,9 +144,42 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     for r in results:
         parts = ", ".join(f"{source} {tokens:,}" for source, tokens in r.misses.items())
         print(f"{r.workload:<12} {r.architecture:<12} {sum(r.misses.values()):>8,}  = {parts}")
+    figures = results_json(results, tokenizer.name, ranker=ranker)
+    if args.via_proxy:
+        figures["via_proxy"] = _print_via_proxy(workloads, results, tokenizer)
     if json_path is not None:
-        _write_output(json_path, "--json", json.dumps(results_json(results, tokenizer.name, ranker=ranker), indent=2))
+        _write_output(json_path, "--json", json.dumps(figures, indent=2))
     return 0
+
+
+def _print_via_proxy(
+    workloads: list[str], results: Sequence[RunResult], tokenizer: Tokenizer
+) -> list[dict[str, object]]:
+    """Run the workloads through ``cacherouter proxy`` and print them next to the library path's CacheRouter."""
+    from dataclasses import asdict
+
+    from .evaluation.via_proxy import run_all_via_proxy
+
+    runs = run_all_via_proxy(workloads, tokenizer=tokenizer)
+    library = {r.workload: r.summary for r in results if r.architecture == "cacherouter"}
+    print(
+        "\nThrough the proxy: an agent speaking only the chat-completions API, all tools in every request -> "
+        "cacherouter proxy\n(--core = the core packages, a scripted router model) -> a local stand-in provider "
+        "(the same scripted models and\noffline DeepSeek cache model). No triage requests on this path."
+    )
+    print(
+        f"{'workload':<12} {'requests':>8} {'input tok':>10} {'cached tok':>10} {'hit rate':>8} "
+        f"{'cost (proxy)':>13} {'cost (library)':>15} {'tool segs':>9}"
+    )
+    for run in runs:
+        summary = library.get(run.workload)
+        lib_cost = f"{summary.cost:>15,.0f}" if summary is not None and summary.cost is not None else f"{'n/a':>15}"
+        cost = f"{run.input_cost:>13,.0f}" if run.input_cost is not None else f"{'n/a':>13}"
+        print(
+            f"{run.workload:<12} {run.requests:>8} {run.prompt_tokens:>10} {run.cached_tokens:>10} "
+            f"{_pct(run.hit_rate):>8} {cost} {lib_cost} {run.provider_tool_segments:>9}"
+        )
+    return [asdict(run) for run in runs]
 
 
 def _cmd_eval_relevance(args: argparse.Namespace) -> int:
@@ -212,6 +247,8 @@ def _cmd_serve_mcp(args: argparse.Namespace) -> int:
         raise ConfigError("serve-mcp needs --repo DIR (serve its tools), --upstreams CONFIG (the gateway), or both")
     if args.upstreams is None and args.core:
         raise ConfigError("--core picks the gateway's fixed tools: it needs --upstreams")
+    if args.upstreams is None and args.transport != "stdio":
+        raise ConfigError("--transport streamable-http serves the gateway: it needs --upstreams")
     config = GatewayConfig(
         root=Path(args.repo) if args.repo else None,
         allow_reflection=args.allow_reflection,
@@ -228,7 +265,7 @@ def _cmd_serve_mcp(args: argparse.Namespace) -> int:
         if args.upstreams is None:
             asyncio.run(serve_stdio(gateway, max_concurrent_calls=args.max_concurrent_calls))
             return 0
-        from .mcp_gateway import RoutingMCPServer, router_model_from_env, serve_gateway_stdio
+        from .mcp_gateway import RoutingMCPServer, router_model_from_env, serve_gateway_http, serve_gateway_stdio
 
         server = RoutingMCPServer(
             gateway,
@@ -236,12 +273,27 @@ def _cmd_serve_mcp(args: argparse.Namespace) -> int:
             router_model=router_model_from_env(),
             router_config=RouterConfig(ranker=args.ranker, top_k=args.top_k, tool_timeout=args.tool_timeout),
             max_concurrent_calls=args.max_concurrent_calls,
+            core_wait=args.core_wait,
         )
-        for status in gateway.upstreams:
-            state = f"{status.tools} tools" if status.state == "up" else f"{status.state}: {status.last_error}"
-            print(f"upstream {status.name} ({status.transport}): {state}", file=sys.stderr)
+        _print_upstreams(gateway)
         print(f"cacherouter gateway: INTERNAL_ROUTER by {server.mode}; core: {list(server.core)}", file=sys.stderr)
-        asyncio.run(serve_gateway_stdio(server))
+        if server.pending:
+            print(
+                f"core tool(s) {list(server.pending)}: their server is not up yet and is being retried; the first "
+                f"tools/list waits up to {args.core_wait:g}s for them, then lists the core tools there are",
+                file=sys.stderr,
+            )
+        if args.transport == "stdio":
+            asyncio.run(serve_gateway_stdio(server))
+        else:
+            if args.host not in ("127.0.0.1", "localhost", "::1"):
+                print(
+                    f"warning: serving on {args.host}: the gateway has no login and runs tools for anyone who "
+                    "reaches it",
+                    file=sys.stderr,
+                )
+            print(f"serving MCP over streamable HTTP on http://{args.host}:{args.port}/mcp", file=sys.stderr)
+            asyncio.run(serve_gateway_http(server, host=args.host, port=args.port))
     finally:
         gateway.close()
     return 0
@@ -287,16 +339,55 @@ def _cmd_web(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_upstreams(gateway: Gateway) -> None:
+    for status in gateway.upstreams:
+        state = f"{status.tools} tools" if status.state == "up" else f"{status.state}: {status.last_error}"
+        print(f"upstream {status.name} ({status.transport}): {state}", file=sys.stderr)
+
+
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    from .proxy import Proxy, ProxyConfig, create_app
+
+    try:
+        import uvicorn
+    except ImportError as e:
+        raise CacheRouterError("the proxy needs starlette, uvicorn and httpx: pip install 'tvcache[proxy]'") from e
+
+    config = ProxyConfig(
+        upstream=args.upstream,
+        api=args.api,
+        core=tuple(args.core),
+        router_model=args.router_model,
+        router=RouterConfig(ranker=args.ranker, top_k=args.top_k),
+        provider=args.provider,
+        timeout=args.timeout,
+        max_hidden_rounds=args.max_hidden_rounds,
+    )
+    proxy = Proxy(config)
+    mode = f"router model {args.router_model}" if args.router_model else "deterministic retrieval"
+    core = f"core {list(config.core)}" if config.core else "core = each session's first request's tools"
+    print(
+        f"cacherouter proxy ({args.api} API, INTERNAL_ROUTER by {mode}, {core}) on "
+        f"http://{args.host}:{args.port}/v1 -> {config.upstream}; figures at /stats and /metrics",
+        file=sys.stderr,
+    )
+    uvicorn.run(create_app(proxy), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 @contextlib.contextmanager
 def _started_gateway(args: argparse.Namespace) -> Iterator[Gateway]:
-    """The gateway over --repo, hot-reloading while the chat runs (a session's main view never changes)."""
+    """The gateway over --repo (and --upstreams' MCP servers), hot-reloading while the chat runs: their tools
+    join the long tail, reached through the router, and a session's main view never changes."""
     from .gateway import Gateway, GatewayConfig
 
     repo = Path(args.repo) if args.repo else _default_repo()
-    gateway = Gateway(GatewayConfig(root=repo, poll_interval=args.poll_interval))
+    upstreams = Path(args.upstreams) if args.upstreams else None
+    gateway = Gateway(GatewayConfig(root=repo, poll_interval=args.poll_interval, upstreams_file=upstreams))
     if gateway.last_error is not None:
         gateway.close()
         raise CacheRouterError(gateway.last_error)
+    _print_upstreams(gateway)
     gateway.start()
     try:
         yield gateway
@@ -358,6 +449,17 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free port) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text}")
+    return value
+
+
 def _at_least_one(text: str) -> int:
     """An argparse type: a whole number of at least 1."""
     try:
@@ -372,6 +474,11 @@ def _at_least_one(text: str) -> int:
 def _add_agent_options(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``chat`` and ``web``: repository, main view, models, router filters."""
     parser.add_argument("--repo", help="tool repository (default: the bundled evaluation repository)")
+    parser.add_argument(
+        "--upstreams",
+        metavar="CONFIG",
+        help="JSON file of MCP servers (as for serve-mcp) whose tools join the long tail, reached through the router",
+    )
     parser.add_argument(
         "--packages",
         nargs="+",
@@ -439,7 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
             "gateway -- clients see only the --core tools and INTERNAL_ROUTER, a list that never changes, while the\n"
             "configured MCP servers' tools (and --repo's, if given) are reached through INTERNAL_ROUTER. The router\n"
             "sub-model comes from CACHEROUTER_ROUTER_* when CACHEROUTER_ROUTER_BASE_URL is set; otherwise\n"
-            "INTERNAL_ROUTER works by deterministic retrieval (find tools, then run one). See docs/cacherouter-mcp.md."
+            "INTERNAL_ROUTER works by deterministic retrieval (find tools, then run one). The gateway serves on stdio\n"
+            "or, with --transport streamable-http, at http://HOST:PORT/mcp. See docs/cacherouter-mcp.md."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -459,8 +567,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-timeout",
         type=_positive_seconds,
         default=60.0,
-        help="seconds before a tool run is killed (default: 60)",
+        help="seconds before a script run of --repo is killed (an upstream call: its server's call_timeout) "
+        "(default: 60)",
     )
+    serve.add_argument(
+        "--core-wait",
+        type=_positive_seconds,
+        default=30.0,
+        help="seconds the first tools/list waits for --core tools whose server is not up yet (default: 30)",
+    )
+    serve.add_argument(
+        "--transport",
+        choices=["stdio", "streamable-http"],
+        default="stdio",
+        help="stdio (default), or streamable HTTP at http://HOST:PORT/mcp (the gateway, with --upstreams)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address for streamable-http (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="port for streamable-http (default: %(default)s)")
     serve.add_argument(
         "--max-concurrent-calls",
         type=_at_least_one,
@@ -469,6 +592,62 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--allow-reflection", action="store_true", help="allow reflection fallback")
     serve.set_defaults(func=_cmd_serve_mcp)
+    proxy = sub.add_parser(
+        "proxy",
+        help="a drop-in OpenAI/Anthropic API proxy: agents keep their tools, the provider keeps its prompt cache",
+        description=(
+            "Serve POST /v1/chat/completions (--api openai) or POST /v1/messages (--api anthropic), streamed or\n"
+            "not, and GET /v1/models, in front of --upstream. The provider sees a fixed tool view -- the --core\n"
+            "tools (default: each session's first request's tools) plus INTERNAL_ROUTER -- whatever tools the\n"
+            "client sends; INTERNAL_ROUTER calls come back to the client as calls of its own tools. The client's\n"
+            "API key goes to the provider and nowhere else. Usage and input cost: GET /stats, /metrics and /.\n"
+            "See docs/cacherouter-proxy.md."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    proxy.add_argument(
+        "--upstream",
+        required=True,
+        metavar="URL",
+        help="the provider's API base, /v1 included (https://api.openai.com/v1, https://api.anthropic.com/v1)",
+    )
+    proxy.add_argument("--port", type=_port, default=8787, help="port to listen on (default: %(default)s)")
+    proxy.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    proxy.add_argument(
+        "--api", choices=["openai", "anthropic"], default="openai", help="the API spoken (default: openai)"
+    )
+    proxy.add_argument(
+        "--core",
+        nargs="+",
+        default=[],
+        metavar="TOOL",
+        help="tools the provider always sees (default: all tools of a session's first request)",
+    )
+    proxy.add_argument(
+        "--router-model",
+        metavar="MODEL",
+        help="resolve INTERNAL_ROUTER with a sub-call of this model on the same upstream (default: deterministic "
+        "retrieval -- the main model finds a tool by task, then names it)",
+    )
+    proxy.add_argument("--ranker", choices=sorted(RANKERS), default="auto", help="the router's relevance scorer")
+    proxy.add_argument(
+        "--top-k", type=_at_least_one, default=RouterConfig().top_k, help="candidates per routed task (default: 5)"
+    )
+    proxy.add_argument(
+        "--provider", choices=PROVIDERS, help="usage fields and prices for /stats (default: detect from responses)"
+    )
+    proxy.add_argument(
+        "--timeout", type=_positive_seconds, default=600.0, help="seconds per provider request (default: 600)"
+    )
+    proxy.add_argument(
+        "--max-hidden-rounds",
+        type=int,
+        default=4,
+        choices=range(0, 17),
+        metavar="N",
+        help="provider rounds in a row the proxy may answer itself, 0 to 16 (default: 4)",
+    )
+    proxy.set_defaults(func=_cmd_proxy)
     chat = sub.add_parser(
         "chat",
         help="talk to the agent in the terminal (models from CACHEROUTER_MAIN_*/CACHEROUTER_ROUTER_*, or --scripted)",
@@ -515,6 +694,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--workloads", nargs="+", choices=EVAL_WORKLOADS, help="which workloads to run (default: all)"
     )
     evaluate.add_argument("--architectures", nargs="+", choices=["cacherouter", "all-tools", "dynamic"])
+    evaluate.add_argument(
+        "--via-proxy",
+        action="store_true",
+        help="also drive each workload through cacherouter proxy (a client speaking only the chat-completions API, "
+        "a local stand-in provider) and print its input cost next to the library path's",
+    )
     evaluate.set_defaults(func=_cmd_eval)
     eval_modes = evaluate.add_subparsers(dest="eval_command", metavar="{relevance}")
     relevance = eval_modes.add_parser(

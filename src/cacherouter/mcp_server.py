@@ -31,7 +31,7 @@ import os
 import signal
 import threading
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from .errors import ArgumentError, CacheRouterError, ConfigError
@@ -206,8 +206,9 @@ async def serve_stdio(gateway: Gateway, *, max_concurrent_calls: int = DEFAULT_M
 
 
 @contextlib.contextmanager
-def _exit_on_signals() -> Iterator[None]:
-    """On SIGINT or SIGTERM, kill every running tool's process group, then let the signal end the process.
+def _exit_on_signals(also: Callable[[], object] | None = None) -> Iterator[None]:
+    """On SIGINT or SIGTERM, kill every running tool's process group (and run ``also``), then let the signal end
+    the process.
 
     Ending the process rather than unwinding the server: the SDK's stdio transport reads stdin in a worker thread
     that cancellation does not reach, so a server asked to stop while its client holds stdin open would hang
@@ -219,7 +220,7 @@ def _exit_on_signals() -> Iterator[None]:
     loop = asyncio.get_running_loop()
     signals = (signal.SIGINT, signal.SIGTERM)
     for signum in signals:
-        loop.add_signal_handler(signum, _exit_by_signal, signum)
+        loop.add_signal_handler(signum, _exit_by_signal, signum, also)
     try:
         yield
     finally:
@@ -227,9 +228,14 @@ def _exit_on_signals() -> Iterator[None]:
             loop.remove_signal_handler(signum)
 
 
-def _exit_by_signal(signum: int) -> None:
+def _exit_by_signal(signum: int, also: Callable[[], object] | None = None) -> None:
     # Runs on the event loop (asyncio's signal handling), not in a signal handler: kill_running may take a lock.
     stopped = kill_running()
     logger.warning("%s: killed %d running tool(s); exiting", signal.Signals(signum).name, stopped)
+    if also is not None:
+        try:
+            also()
+        except Exception:  # the process ends by the signal whatever happens here
+            logger.exception("stopping on %s failed", signal.Signals(signum).name)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)  # die of the signal, as the sender expects

@@ -23,7 +23,13 @@ registry's problems):
   that until it is back. A reconnect that lists the same tools changes nothing, so a quick restart is invisible.
 
 A call's result -- ``content`` (text, images, audio, resources), ``structuredContent``, ``isError``, ``_meta``
--- is kept as the JSON the server sent, not re-typed: the SDK's models would drop fields they lack.
+-- is kept as the JSON the server sent, not re-typed: the SDK's models would drop fields they lack. A call is
+bounded by the server's ``call_timeout`` (or a shorter limit the caller gives), never by its connect ``timeout``;
+when that deadline passes, the error says the gateway gave up, not that the server answered.
+
+A stdio server's stderr reaches the hub's ``errlog`` line by line, each line prefixed with ``[server]``, through
+a pipe of ours. That pipe also finds the server's processes when the gateway must stop at once
+(:func:`stop_upstream_processes`, e.g. on SIGTERM): every process whose stderr is still one of these pipes.
 
 Requires the ``mcp`` SDK (``pip install 'tvcache[mcp]'``).
 """
@@ -37,12 +43,15 @@ import hashlib
 import json
 import logging
 import math
+import os
+import signal
 import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TextIO
 
@@ -69,13 +78,107 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ConfigError("MCP upstreams need the 'mcp' SDK: pip install 'tvcache[mcp]' (mcp>=2.3,<3)") from e
 
-__all__ = ["UpstreamHub", "UpstreamResult", "UpstreamStatus"]
+__all__ = ["UpstreamHub", "UpstreamResult", "UpstreamStatus", "stop_upstream_processes"]
 
 logger = logging.getLogger(__name__)
 CLIENT_INFO = types.Implementation(name="cacherouter", version="0.1.0")
 MAX_PAGES = 50  # a paginator that never ends cannot hang a listing
 _BACKOFF_START = 0.25
 _BACKOFF_MAX = 30.0
+# Fields of a tool definition the registry keeps apart; the rest are passed on verbatim (declared_fields).
+_OWN_FIELDS = frozenset({"name", "description", "inputSchema"})
+
+
+# ---------------------------------------------------------------- upstream stderr and processes
+
+_relays_lock = threading.Lock()
+_relays: dict[int, str] = {}  # inode of a live stderr pipe -> its server's name
+
+
+class _StderrRelay:
+    """The stderr of one stdio server process: a pipe whose lines go to ``errlog`` as ``[server] line``.
+
+    The pipe stays registered (by inode) until every process holding it has exited, so that
+    :func:`stop_upstream_processes` finds the server -- and its children, which inherit the pipe -- even after
+    the SDK lost track of it.
+    """
+
+    def __init__(self, server: str, errlog: TextIO) -> None:
+        read_fd, write_fd = os.pipe()
+        self.server, self.errlog = server, errlog
+        self.inode = os.fstat(write_fd).st_ino
+        self.writer = os.fdopen(write_fd, "w")  # the process's stderr; ours is closed once the process has stopped
+        with _relays_lock:
+            _relays[self.inode] = server
+        threading.Thread(
+            target=self._pump, args=(read_fd,), name=f"cacherouter-mcp-stderr-{server}", daemon=True
+        ).start()
+
+    def _pump(self, read_fd: int) -> None:
+        try:
+            with os.fdopen(read_fd, "rb") as stream:
+                for line in stream:
+                    text = line.decode("utf-8", "replace").rstrip("\r\n")
+                    with contextlib.suppress(OSError, ValueError):  # a closed errlog must not stop the draining
+                        self.errlog.write(f"[{self.server}] {text}\n")
+                        self.errlog.flush()
+        finally:
+            with _relays_lock:
+                _relays.pop(self.inode, None)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def upstream_process_groups() -> dict[int, str]:
+    """The process groups (pgid -> server) of every live process whose stderr is an upstream's pipe.
+
+    Read from ``/proc`` (Linux); empty where there is none. Never this process's own group.
+    """
+    with _relays_lock:
+        pipes = {f"pipe:[{inode}]": server for inode, server in _relays.items()}
+    if not pipes:
+        return {}
+    own = os.getpgid(0)
+    groups: dict[int, str] = {}
+    try:
+        entries = [entry.name for entry in os.scandir("/proc") if entry.name.isdigit()]
+    except OSError:
+        return {}
+    for pid in entries:
+        try:
+            server = pipes.get(os.readlink(f"/proc/{pid}/fd/2"))
+            if server is None:
+                continue
+            pgid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+        if pgid != own:
+            groups[pgid] = server
+    return groups
+
+
+def stop_upstream_processes(grace: float = 1.0) -> int:
+    """SIGTERM every upstream process group still alive, wait up to ``grace`` seconds, SIGKILL what is left.
+
+    For a gateway that must stop now (a signal, or after a close that may have left a survivor): the SDK's own
+    shutdown gives each server 2 s after its stdin closes and 2 s more after SIGTERM, more than a client that
+    sends SIGTERM leaves us. Safe from any thread and from the event loop; returns the number of groups found.
+    """
+    groups = upstream_process_groups()
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    left = set(groups)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.02)
+        left &= set(upstream_process_groups())
+    for pgid in left:
+        logger.warning("MCP upstream %s: still running %gs after SIGTERM; killed", groups[pgid], grace)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    return len(groups)
 
 
 class _Verbatim(BaseModel):
@@ -258,7 +361,9 @@ class _Link:
         parameters = StdioServerParameters(
             command=config.command, args=list(config.args), env=dict(config.env) or None, cwd=config.cwd
         )
-        return _watched(stdio_client(parameters, errlog=self.hub.errlog), closed, screen)
+        relay = _StderrRelay(config.name, self.hub.errlog)
+        stack.callback(relay.close)  # runs after the client, and so the process, has stopped
+        return _watched(stdio_client(parameters, errlog=relay.writer), closed, screen)
 
     async def run(self) -> None:
         """Connect, list, follow changes; on any failure report it, wait, and connect again, until cancelled."""
@@ -445,6 +550,7 @@ class _Link:
             self.hub.changed()
 
     def _spec(self, entry: dict[str, Any]) -> RegisteredTool:
+        fields = {key: value for key, value in entry.items() if key not in _OWN_FIELDS}
         name: str = entry["name"]
         limit = self.hub.limits.max_description_length
         description = str(entry.get("description") or entry.get("title") or "")
@@ -461,9 +567,13 @@ class _Link:
             upstream=self.config.name,
             upstream_tool=name,
             declared_schema=json.dumps(entry["inputSchema"], ensure_ascii=False, separators=(",", ":")),
+            declared_fields=json.dumps(fields, ensure_ascii=False, separators=(",", ":")) if fields else "",
         )
 
-    async def call(self, spec: RegisteredTool, arguments: Mapping[str, Any], timeout: float) -> UpstreamResult:
+    async def call(
+        self, spec: RegisteredTool, arguments: Mapping[str, Any], timeout: float, limit: str
+    ) -> UpstreamResult:
+        """Call ``spec``, giving up after ``timeout`` seconds (``limit`` says whose limit that is)."""
         start = time.monotonic()
         client = self.client
         server = self.config.name
@@ -479,11 +589,17 @@ class _Link:
         request = types.CallToolRequest(
             params=types.CallToolRequestParams(name=spec.upstream_tool, arguments=dict(arguments))
         )
+        gave_up = (
+            f"no answer from {spec.upstream_tool} on MCP server {server!r}: the gateway gave up after {timeout:g} s "
+            f"({limit})"
+        )
         try:
             with anyio.fail_after(timeout):
-                sent = await client.session.send_request(request, _Verbatim)
+                # The session's read timeout is the connect timeout: a call must not inherit it (a slow call that
+                # fits its call_timeout would be cut), so this request's own is set past our deadline.
+                sent = await client.session.send_request(request, _Verbatim, request_read_timeout_seconds=timeout + 5.0)
         except TimeoutError:
-            return failed(f"{spec.upstream_tool} on MCP server {server!r} did not answer within {timeout:g}s")
+            return failed(gave_up)
         except MCPError as e:
             if e.code == CONNECTION_CLOSED:
                 if self._closed is not None:
@@ -616,14 +732,21 @@ class UpstreamHub:
         timeout: float | None = None,
         cancel: Cancellation | None = None,
     ) -> UpstreamResult:
-        """Call upstream tool ``spec``; returns within about ``timeout`` (default: the server's call_timeout)."""
+        """Call upstream tool ``spec``; returns within about the server's call_timeout, or ``timeout`` if shorter."""
         link = self._links.get(spec.upstream)
         if link is None or self._thread is None:
             return UpstreamResult(
                 tool=spec.name, upstream=spec.upstream, error=f"the MCP server {spec.upstream!r} is not configured"
             )
-        limit = timeout if timeout is not None else link.config.call_timeout
-        future = asyncio.run_coroutine_threadsafe(link.call(spec, arguments, limit), self._loop)
+        own = link.config.call_timeout
+        if timeout is None or timeout >= own:
+            limit, whose = own, f"call_timeout of server {spec.upstream}"
+        else:
+            limit, whose = (
+                timeout,
+                f"this call's limit, shorter than server {spec.upstream}'s call_timeout of {own:g} s",
+            )
+        future = asyncio.run_coroutine_threadsafe(link.call(spec, arguments, limit, whose), self._loop)
         deadline = time.monotonic() + limit + 5.0  # the call times itself out; this only guards a stuck loop
         while True:
             try:
@@ -636,7 +759,11 @@ class UpstreamHub:
                     )
                 if time.monotonic() > deadline:
                     future.cancel()
-                    return UpstreamResult(tool=spec.name, upstream=spec.upstream, error=f"no answer within {limit:g}s")
+                    return UpstreamResult(
+                        tool=spec.name,
+                        upstream=spec.upstream,
+                        error=f"no answer: the gateway gave up after {limit:g} s ({whose})",
+                    )
 
     # ---------------------------------------------------------------- on the loop
 

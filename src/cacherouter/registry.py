@@ -64,8 +64,8 @@ class RegisteredTool:
     """One registered tool: a script (where it is, what its command line looks like) or an upstream MCP tool.
 
     An upstream tool has no script: ``upstream`` names its server (see :mod:`cacherouter.upstreams`),
-    ``upstream_tool`` its own name there, and ``declared_schema`` the input schema the server declared, as JSON
-    text in the server's own member order.
+    ``upstream_tool`` its own name there, ``declared_schema`` the input schema the server declared, as JSON
+    text in the server's own member order, and ``declared_fields`` the other fields of its definition.
     """
 
     name: str
@@ -79,6 +79,9 @@ class RegisteredTool:
     upstream: str = ""
     upstream_tool: str = ""
     declared_schema: str = ""
+    # The rest of an upstream tool's declared definition (title, annotations, outputSchema, icons, _meta, ...) as
+    # JSON text: the MCP gateway lists a core tool with it, verbatim.
+    declared_fields: str = ""
 
     def input_schema(self) -> dict[str, Any]:
         if self.upstream:

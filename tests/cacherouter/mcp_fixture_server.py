@@ -5,11 +5,15 @@ what real servers do when they misbehave, which an SDK-built server would refuse
 broken schema, never answer ``initialize``, send ``list_changed`` in a storm, exit in the middle of a call.
 
     python mcp_fixture_server.py --tools TOOLS.json [--never-initialize] [--pidfile PATH] [--once MARKER]
+        [--slow-exit SECONDS] [--slow-initialize SECONDS [--slow-marker PATH]]
 
 TOOLS.json holds the ``tools`` array, read again at every ``tools/list`` (a test edits it, then calls
 ``notify``). Calls, whatever is listed: ``echo`` (text + image content, structured content, an extra field),
-``fail`` (``isError``), ``crash`` (exits without answering), ``sleep`` (``seconds``), ``notify`` (one
-``list_changed``), ``storm`` (``count`` of them, then the answer).
+``fail`` (``isError``), ``crash`` (exits without answering), ``sleep`` (``seconds``; a hung call when long),
+``notify`` (one ``list_changed``), ``storm`` (``count`` of them, then the answer), ``stderr`` (writes ``lines``
+to stderr). ``--slow-exit`` makes it a server that is slow to go: it ignores SIGTERM and, once its stdin has
+closed, lingers that many seconds before it exits. ``--slow-initialize`` answers ``initialize`` that late (with
+``--slow-marker``, only in the first start, the one that creates PATH: a server slow to start the first time).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -52,6 +57,11 @@ def call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     if name == "sleep":
         time.sleep(float(arguments.get("seconds", 60)))
         return {"content": [{"type": "text", "text": "slept"}]}
+    if name == "stderr":
+        for line in arguments.get("lines", []):
+            sys.stderr.write(f"{line}\n")
+        sys.stderr.flush()
+        return {"content": [{"type": "text", "text": "written"}]}
     if name == "notify":
         list_changed()
         return {"content": [{"type": "text", "text": "notified"}]}
@@ -68,7 +78,16 @@ def main() -> None:
     parser.add_argument("--never-initialize", action="store_true")
     parser.add_argument("--pidfile")
     parser.add_argument("--once", metavar="MARKER", help="serve once: exit at start if MARKER exists, else create it")
+    parser.add_argument("--slow-exit", type=float, default=0.0, metavar="SECONDS")
+    parser.add_argument("--slow-initialize", type=float, default=0.0, metavar="SECONDS")
+    parser.add_argument("--slow-marker", metavar="PATH")
     args = parser.parse_args()
+    if args.slow_marker:
+        if Path(args.slow_marker).exists():
+            args.slow_initialize = 0.0
+        Path(args.slow_marker).touch()
+    if args.slow_exit:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args.once:
         if Path(args.once).exists():
             sys.exit("this fixture server serves only once")
@@ -86,6 +105,7 @@ def main() -> None:
         if args.never_initialize:
             continue  # reads everything, answers nothing
         if method == "initialize":
+            time.sleep(args.slow_initialize)
             result: dict[str, Any] = {
                 "protocolVersion": "2025-11-25",
                 "capabilities": {"tools": {"listChanged": True}},
@@ -103,6 +123,7 @@ def main() -> None:
             send({"jsonrpc": "2.0", "id": ident, "error": {"code": -32601, "message": f"no method {method}"}})
             continue
         send({"jsonrpc": "2.0", "id": ident, "result": result})
+    time.sleep(args.slow_exit)  # stdin closed: a slow server takes its time (SIGTERM does not hurry it)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from cacherouter.errors import ConfigError  # noqa: E402
 from cacherouter.evaluation.runner import EVAL_REPO  # noqa: E402
 from cacherouter.gateway import Gateway, GatewayConfig  # noqa: E402
 from cacherouter.mainview import MainView  # noqa: E402
-from cacherouter.mcp_upstream import UpstreamResult  # noqa: E402
+from cacherouter.mcp_upstream import UpstreamHub, UpstreamResult  # noqa: E402
 from cacherouter.upstreams import UpstreamConfig, check_input_schema, namespaced_name, parse_upstreams  # noqa: E402
 
 CORE = ("base", "geography", "internet")
@@ -338,3 +338,28 @@ def test_a_missing_command_is_reported_not_raised(tmp_path: Path) -> None:
         assert "no-such-server" in (status.last_error or "")
         assert "weather" in gateway.registry.tools
     assert shutil.which("no-such-server") is None
+
+
+def test_upstream_stderr_reaches_the_log_line_by_line_with_the_servers_name(tmp_path: Path) -> None:
+    config, _ = fixture(tmp_path, "fx", [tool("stderr")])
+    log = tmp_path / "errlog.txt"
+    with log.open("w") as errlog, UpstreamHub((config,), errlog=errlog) as hub:
+        written = hub.call(hub.tools["fx__stderr"], {"lines": ["first line", "second: with a colon"]})
+        assert written.ok, written
+        wait_until(lambda: "second" in log.read_text(), what="the server's stderr in the log")
+    assert log.read_text().splitlines() == ["[fx] first line", "[fx] second: with a colon"]
+
+
+def test_a_call_gets_its_servers_call_timeout_or_the_callers_shorter_limit(tmp_path: Path) -> None:
+    config, _ = fixture(tmp_path, "fx", [tool("sleep")], timeout=1.0, call_timeout=1.5)
+    with Gateway(GatewayConfig(root=None, upstreams=(config,))) as gateway:
+        started = time.monotonic()
+        own = result(gateway.call("fx__sleep", {"seconds": 30}, timeout=60))  # the router's 60 s: not longer
+        assert 1.4 < time.monotonic() - started < 3.5
+        assert own.error is not None
+        assert "the gateway gave up after 1.5 s (call_timeout of server fx)" in own.error
+    config, _ = fixture(tmp_path, "fy", [tool("sleep")], timeout=1.0, call_timeout=30)
+    with Gateway(GatewayConfig(root=None, upstreams=(config,))) as gateway:
+        shorter = result(gateway.call("fy__sleep", {"seconds": 30}, timeout=1.2))
+        assert shorter.error is not None
+        assert "gave up after 1.2 s (this call's limit, shorter than server fy's call_timeout of 30 s)" in shorter.error
