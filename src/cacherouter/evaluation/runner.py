@@ -33,6 +33,7 @@ from ..relevance import BM25
 from ..router import Router, RouterConfig
 from ..session import ChatSession
 from ..tokens import Tokenizer, default_tokenizer
+from ..upstreams import UpstreamConfig
 from .longtail import LONGTAIL, generate_repository
 from .mcp_workload import INITIAL as MCP_INITIAL
 from .mcp_workload import MCP_QUERIES, prepare_workspace, upstream_configs
@@ -192,6 +193,42 @@ def _miss_breakdown(ledger: Ledger) -> dict[str, int]:
     return out
 
 
+class EvalGateway:
+    """The gateway a workload runs against: over a fresh copy of ``repo`` under ``tmp`` (and, with
+    ``mcp_servers``, the real MCP servers of :mod:`.mcp_workload` in a fresh workspace, the initial ones joined).
+    A query's events change it: ``restart`` builds a new gateway, ``join:``/``leave:`` change its MCP upstreams,
+    anything else edits the repository (``apply_event``)."""
+
+    def __init__(self, tmp: Path, repo: Path, *, mcp_servers: bool) -> None:
+        self.root = tmp / "repo"
+        shutil.copytree(repo, self.root, ignore=shutil.ignore_patterns("__pycache__"))
+        self.workspace = tmp / "workspace"
+        self.active: set[str] = set()
+        if mcp_servers:
+            prepare_workspace(self.workspace)
+            self.active = set(MCP_INITIAL)
+        self.config = GatewayConfig(root=self.root, tool_timeout=30.0, upstreams=self._upstreams())
+        self.gateway = Gateway(self.config)
+
+    def _upstreams(self) -> tuple[UpstreamConfig, ...]:
+        return upstream_configs(self.workspace, tuple(self.active)) if self.active else ()
+
+    def current(self) -> Gateway:
+        """The gateway now (a ``restart`` replaces it)."""
+        return self.gateway
+
+    def handle(self, event: str) -> None:
+        kind, _, server = event.partition(":")
+        if event == "restart":
+            self.gateway.close()
+            self.gateway = Gateway(replace(self.config, upstreams=self._upstreams()))
+        elif kind in ("join", "leave"):
+            (self.active.add if kind == "join" else self.active.discard)(server)
+            self.gateway.set_upstreams(upstream_configs(self.workspace, tuple(self.active)))
+        else:
+            apply_event(event, self.root)
+
+
 def run_workload(
     architecture: str,
     workload: str,
@@ -210,33 +247,8 @@ def run_workload(
         raise ValueError(f"unknown architecture {architecture!r}; choose from {ARCHITECTURES}")
     tokenizer = tokenizer or default_tokenizer()
     with tempfile.TemporaryDirectory(prefix="cacherouter-eval-") as tmp:
-        root = Path(tmp) / "repo"
-        shutil.copytree(repo, root, ignore=shutil.ignore_patterns("__pycache__"))
-        active: set[str] = set()
-        workspace = Path(tmp) / "workspace"
-        if mcp_servers:
-            prepare_workspace(workspace)
-            active = set(MCP_INITIAL)
-        config = GatewayConfig(
-            root=root, tool_timeout=30.0, upstreams=upstream_configs(workspace, tuple(active)) if active else ()
-        )
-        state: dict[str, Any] = {"gateway": Gateway(config)}
-
-        def gateway() -> Gateway:
-            gw: Gateway = state["gateway"]
-            return gw
-
-        def handle(event: str) -> None:
-            kind, _, server = event.partition(":")
-            if event == "restart":
-                gateway().close()
-                upstreams = upstream_configs(workspace, tuple(active)) if active else ()
-                state["gateway"] = Gateway(replace(config, upstreams=upstreams))
-            elif kind in ("join", "leave"):
-                (active.add if kind == "join" else active.discard)(server)
-                gateway().set_upstreams(upstream_configs(workspace, tuple(active)))
-            else:
-                apply_event(event, root)
+        workload_gateway = EvalGateway(Path(tmp), repo, mcp_servers=mcp_servers)
+        gateway, handle = workload_gateway.current, workload_gateway.handle
 
         ledger = Ledger()
         cache = DeepSeekCacheModel()  # one account: main and router requests share the provider's cache

@@ -19,23 +19,19 @@ by design: no triage requests (the agent has no such phase) and one history stre
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..cachemodel import DeepSeekCacheModel
 from ..canonical import canonical_json
 from ..errors import CacheRouterError, ConfigError
-from ..gateway import Gateway, GatewayConfig
 from ..models import ChatModel, ChatRequest, Message, ScriptedModel, SimulatedProvider
 from ..prompts import MAIN_SYSTEM, ROUTER_SYSTEM
 from ..tokens import Tokenizer, default_tokenizer
-from .mcp_workload import INITIAL as MCP_INITIAL
-from .mcp_workload import prepare_workspace, upstream_configs
-from .runner import EVAL_REPO, MainBrain, RouterBrain, apply_event
+from .runner import EVAL_REPO, EvalGateway, MainBrain, RouterBrain
 from .suite import CORE_PACKAGES, Query
 
 
@@ -149,20 +145,8 @@ def run_via_proxy(
         raise ConfigError("eval --via-proxy needs the proxy extra: pip install 'tvcache[proxy]'") from e
     tokenizer = tokenizer or default_tokenizer()
     with tempfile.TemporaryDirectory(prefix="cacherouter-eval-proxy-") as tmp:
-        root = Path(tmp) / "repo"
-        shutil.copytree(repo, root, ignore=shutil.ignore_patterns("__pycache__"))
-        workspace = Path(tmp) / "workspace"
-        active: set[str] = set()
-        if mcp_servers:
-            prepare_workspace(workspace)
-            active = set(MCP_INITIAL)
-        config = GatewayConfig(
-            root=root, tool_timeout=30.0, upstreams=upstream_configs(workspace, tuple(active)) if active else ()
-        )
-        state: dict[str, Gateway] = {"gateway": Gateway(config)}
-
-        def gateway() -> Gateway:
-            return state["gateway"]
+        workload_gateway = EvalGateway(Path(tmp), repo, mcp_servers=mcp_servers)
+        gateway = workload_gateway.current
 
         cache = DeepSeekCacheModel()  # one account: main and router requests share the provider's cache
         main = SimulatedProvider(ScriptedModel(MainBrain(queries, via_router=True)), cache, tokenizer=tokenizer)
@@ -180,16 +164,7 @@ def run_via_proxy(
                 try:
                     for query in queries:
                         for event in query.events:
-                            kind, _, server = event.partition(":")
-                            if event == "restart":
-                                gateway().close()
-                                upstreams = upstream_configs(workspace, tuple(active)) if active else ()
-                                state["gateway"] = Gateway(replace(config, upstreams=upstreams))
-                            elif kind in ("join", "leave"):
-                                (active.add if kind == "join" else active.discard)(server)
-                                gateway().set_upstreams(upstream_configs(workspace, tuple(active)))
-                            else:
-                                apply_event(event, root)
+                            workload_gateway.handle(event)
                         agent.ask(query.text)
                 finally:
                     agent.close()

@@ -516,7 +516,7 @@ def _v1_parents() -> list[str] | str:
 def remove_leftovers(base: str) -> list[str]:
     """Remove the parent cgroups under ``base`` whose owner process is gone (killed before it cleaned up):
     their processes are killed first. Returns the paths removed."""
-    from .layers import process_tag
+    from .layers import owner_is_gone
 
     removed: list[str] = []
     try:
@@ -524,8 +524,7 @@ def remove_leftovers(base: str) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        match = _OWNER.match(name)
-        if match is None or process_tag(int(match.group(1))) == f"{match.group(1)}-{match.group(2)}":
+        if _OWNER.match(name) is None or not owner_is_gone(name.removeprefix(PARENT_PREFIX)):
             continue
         path = os.path.join(base, name)
         if _remove_parents([path]):
