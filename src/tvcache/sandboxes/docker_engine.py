@@ -21,6 +21,7 @@ from ..journal import Journal
 from .shell.layers import owner_is_gone, process_tag
 from .shell.limits import DEFAULT_LIMITS, SandboxLimits
 from .shell.linux import CAP_CHECKPOINT_RESTORE, KEPT_CAPABILITIES
+from .shell.pty_shell import shell_argv
 
 __all__ = [
     "CONTAINER_CAPABILITIES",
@@ -50,7 +51,7 @@ SANDBOX_LABEL = "tvcache.sandbox"
 OWNER_LABEL = "tvcache.owner"
 SNAPSHOT_LABEL = "tvcache.snapshot"  # on a snapshot image: the snapshot's file, which a durable cache keeps
 # The main process of a persistent sandbox's container: an interactive shell on the container's terminal.
-SHELL_ARGV = ("bash", "--norc", "--noprofile", "--noediting", "-i")
+SHELL_ARGV = tuple(shell_argv("bash"))  # the persistent shell, as the overlay flavour starts it
 OWNER = process_tag(os.getpid()) or f"{os.getpid()}-0"  # this process, as the owner label names it
 # A container keeps the capabilities a shell sandbox keeps (``linux.KEPT_CAPABILITIES``) and no other, less
 # CHECKPOINT_RESTORE: its shell's next PID is set from the host (``docker_shell``), and a checkpoint is taken by the

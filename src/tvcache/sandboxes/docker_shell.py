@@ -53,8 +53,8 @@ from .docker_engine import PERSISTENT_KIND, no_bash, run_cli_async
 from .shell.cgroups import MEMORY
 from .shell.process import render_shell, run_in_worker
 from .shell.pty_shell import (
-    BOOT_COMMAND,
     BOOT_HEAD,
+    BOOT_LINE,
     BOOT_TAIL,
     PROTOCOL,
     READY,
@@ -63,6 +63,7 @@ from .shell.pty_shell import (
     PtyResult,
     PtyShell,
     ShellGone,
+    _escapes,
 )
 from .shell.session import NEW_SHELL_NOTE, PersistentShellCalls, persistent_command
 
@@ -79,13 +80,13 @@ START_SECONDS = 60.0  # a container start under load; the shell itself is ready 
 # is carried by the snapshot, as the overlay shell's is).
 FIRST_PID = 100
 LAST_PID = "/proc/sys/kernel/ns_last_pid"  # of the reader's PID namespace
-BOOT = "command stty raw -echo <&2 2>/dev/null || :\n"  # stdin is the boot script itself
+BOOT = "command stty raw -echo <&2 2>/dev/null || :\n"
 
 
 def shell_environment() -> dict[str, str]:
     """What the container's shell is started with, beside the factory's environment: TERM=dumb (no colours or
     cursor movement in outputs) and the protocol's boot, sourced once before the first prompt."""
-    return {"TERM": "dumb", "__TVCACHE_BOOT": BOOT_HEAD + PROTOCOL + BOOT + BOOT_TAIL, "PROMPT_COMMAND": BOOT_COMMAND}
+    return {"TERM": "dumb", "__TVCACHE_BOOT": BOOT_HEAD + PROTOCOL + BOOT + BOOT_TAIL}
 
 
 class DockerShell(PtyShell):
@@ -101,8 +102,10 @@ class DockerShell(PtyShell):
         self.status = 0
         self.lineno = 0
         self.last_command: str | None = None
-        self.firing_traps = False
         self.spawned = None
+        self._observer = None
+        self._idle = None
+        self.escapes = {}
         self.name = name
         self._docker = docker
         self._terminal = -1  # the container's side of the terminal, opened through /proc
@@ -131,13 +134,20 @@ class DockerShell(PtyShell):
         collected = OutputCollector(4096)
         deadline = time.monotonic() + START_SECONDS
         try:
+            if not restored:
+                self._write(BOOT_LINE, deadline)
             if not restored and not self._read_until(READY, deadline, collected):
                 raise SandboxError(
                     f"docker sandbox {self.name}: the shell did not become ready within {START_SECONDS:g} s"
                 )
             self._attach_terminal(deadline)
             if not restored:
+                self.escapes = _escapes(collected.kept)
                 self.set_last_pid(FIRST_PID)
+            if self.settle(deadline, booted=not restored) is None:
+                raise SandboxError(
+                    f"docker sandbox {self.name}: the shell did not wait for a command within {START_SECONDS:g} s"
+                )
         except ShellGone:
             with contextlib.suppress(ShellGone):
                 while self._cli.poll() is None or select.select([self._master], [], [], 0)[0]:
@@ -174,6 +184,7 @@ class DockerShell(PtyShell):
                 )
             time.sleep(0.02)
         self.pid, self._terminal = int(pid), terminal
+        self._slave_device = os.fstat(terminal).st_rdev
         try:
             self._pidfd = os.pidfd_open(self.pid)
         except OSError as error:
@@ -227,10 +238,10 @@ class DockerShell(PtyShell):
             if termios.tcgetattr(self._terminal) != self._mode:
                 termios.tcsetattr(self._terminal, termios.TCSANOW, self._mode)
 
-    def _translating(self) -> bool:
-        with contextlib.suppress(termios.error, OSError):
-            return bool(termios.tcgetattr(self._terminal)[1] & termios.OPOST)
-        return False
+    def _signal(self, signum: int) -> None:
+        with contextlib.suppress(OSError):
+            if self._pidfd >= 0:
+                signal.pidfd_send_signal(self._pidfd, signum)
 
     def _foreground_group(self) -> int | None:
         """The terminal's foreground process group, in this machine's PID numbers (field 8 of the shell's stat;

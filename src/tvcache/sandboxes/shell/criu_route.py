@@ -29,6 +29,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ...errors import CriuError, SandboxError, SnapshotDeclined, SnapshotUnusable
+from .capture import CaptureRefused
 from .criu import Criu, criu_unavailable_reason, discard_images, find_criu
 from .pty_shell import PtyShell, Terminal
 from .shell_state import ShellLaunch, ShellProbe, ShellState, SnapshotPlace, SnapshotRoute, verify
@@ -58,9 +59,10 @@ class CriuRoute:
             raise SnapshotDeclined(f"no working CRIU ({criu_unavailable_reason() or 'disabled'})")
         if place.tree is None:
             raise SnapshotDeclined("the CRIU route does not snapshot root-filesystem sandboxes yet")
-        data = shell.capture()
-        if data is None:
-            raise SnapshotDeclined("the shell did not answer the state capture (its SIGRTMAX trap was changed)")
+        try:
+            data = shell.capture_state()
+        except CaptureRefused as refused:
+            raise SnapshotDeclined(f"the shell's state cannot be captured: {refused}") from None
         state = ShellState.parse(data)
         last_pid = state.lines("last-pid")
         if not state.lines("status") or not last_pid or not last_pid[0].isdigit():
@@ -77,6 +79,7 @@ class CriuRoute:
             "lineno": shell.lineno,
             "status": shell.status,
             "last_command": shell.last_command,
+            "escapes": shell.escapes,
             "last_pid": int(last_pid[0]),
         }
 
@@ -110,9 +113,10 @@ class CriuRoute:
             lineno=int(image["lineno"]),
             status=int(image["status"]),
             last_command=image.get("last_command"),
+            escapes=image.get("escapes"),
         )
         try:
-            verify(shell, image, moved_on)
+            verify(shell, image, moved_on, fresh=False)
         except BaseException:
             shell.close()
             raise

@@ -1,26 +1,40 @@
-"""One long-lived, confined, interactive bash driven over a pty with a sentinel protocol.
+"""One long-lived, confined, interactive bash driven over a pty, whose commands' ends and statuses are read from
+outside the shell.
 
 Why a pty: the harnesses whose rollouts we serve (Terminus/tmux, SWE-ReX, OpenHands) type into an interactive
 bash on a terminal, with job control; a timeout sends SIGINT to the terminal's foreground job, and the shell
 lives on. The pty is in raw mode (no echo, no line editing, no output translation), so bytes pass unchanged and
 a line of any length reaches bash; the driver resets the mode before every command, whatever ``stty`` did.
 
-Protocol. bash starts with ``--norc --noediting -i`` and a ``PROMPT_COMMAND`` that sources a *boot script* from
-the environment once (defining the two protocol functions, a trap, and, for a fork, the restored state), then
-prints a ready marker. Each command is then typed as ONE line::
+Protocol. bash starts with ``--norc --noediting -i``; its first line sources a *boot script* from the environment
+(``BOOT_LINE``: the capture trap and, for a fork, the restored state), which prints a ready marker. From
+then on nothing of ours runs between commands. A command is typed as a group, as a user would type it::
 
-    eval $'<command, ANSI-C quoted>' </dev/null; { __tvcache_end <sentinel> $LINENO $? "$_"; } 2>/dev/null
+    { <command, line by line>
+    } </dev/null
 
-* ``eval`` of a quoted string: unterminated quotes, heredocs and syntax errors stay inside the command (bash
-  reports them and the line goes on), and the command's stdin is ``/dev/null`` (reads get end of file);
-* the sentinel is 128 random bits, new per command and never stored in a variable, so output cannot fake it;
-  ``__tvcache_end`` prints ``\\n<sentinel> <lineno> <status>\\n`` and returns the status, so ``$?``,
-  ``$_`` and ``PIPESTATUS`` seen by the next command are what a terminal would show (``$_`` being the
-  command's text, as ``eval``'s last argument); its xtrace output goes to /dev/null;
-* the shell's state can be read without typing a line (which would move ``$LINENO``): SIGRTMAX runs
-  ``__tvcache_capture`` by a trap, between commands only (see ``shell_state``); the trap leaves ``$?``, ``$_``
-  and ``PIPESTATUS`` as they were. ERR traps are listed at the trap's top level (functions do not see them);
-  DEBUG and RETURN traps only by the epilogue, a traced function, which reports them with every status.
+* the group gives the command's stdin as end of file, and leaves everything else as a plain bash has it:
+  ``$?``, ``$_``, ``PIPESTATUS``, ``$BASH_COMMAND``, the command's own redirections (``exec >log``), its options
+  and traps; nothing is printed or run after it;
+* the end of a command and its status are not printed by the shell at all: ``bash_observer`` reads them from
+  the kernel and bash's memory (the top-level reader blocked on the terminal, ``last_command_exit_value``).
+  A command therefore cannot forge its status or its end, or push bytes into another call's output: what the
+  terminal received between the first typed line and the moment bash waits again is this call's output;
+* each line goes only once bash waits inside the group for the next (the parser's line count says so): a
+  syntax error ends the group at once, with bash's own message and ``$?`` 2, and no later line runs outside it;
+  a command that leaves the group open (an unterminated quote or here-document) gets SIGINT, as a Ctrl-C at the
+  PS2 prompt, and the call says it was incomplete; what bash prints while the group is open is its PS2 prompt or
+  ``set -v`` echo, and is dropped;
+* prompts: PS1/PS2 are empty at boot and ``PROMPT_COMMAND`` unset; when a command sets PS0 or PS1 (a virtualenv's
+  ``activate``) to plain text, the driver removes it from the output (see the README for what stays);
+* bytes that arrive while no call runs, or while a background process of the shell lives, make the call not
+  deterministic (``PtyResult.background``): their place in the output depends on timing;
+* the state of a shell is read without typing a line: SIGRTMAX runs the capture trap, between commands only
+  (see ``shell_state``).
+
+What the guarantee rests on, and what breaks it: the kernel's view of the process and bash's globals. A process
+that writes bash's memory (``/proc/1/mem`` is hidden from the sandbox; see ``zygote_process``) or replaces bash
+by ``exec`` (then the call says the shell ended, and the sandbox is no longer trusted) is what is left.
 
 A *warm* shell (``PtyShell.warm``) is started ahead of a fork, before its tree exists: its boot script stops after
 the protocol functions and the first step of every restore (``RESET_VARIABLES``) and waits, reading the rest of its
@@ -40,8 +54,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import re
-import secrets
 import select
 import signal
 import string
@@ -55,60 +67,52 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import SandboxError
+from .bash_observer import BashObserver, Idle, ShellReplaced
+from .capture import CAPTURE_PROTOCOL, CaptureRefused, take_capture
 from .process import ShellResult
 from .zygote import Spawned, Zygote
 
-__all__ = ["CAPTURE_SIGNAL", "OutputCollector", "PtyResult", "PtyShell", "ShellGone", "Terminal", "ansi_c_quote"]
+__all__ = [
+    "CAPTURE_SIGNAL",
+    "OutputCollector",
+    "PtyResult",
+    "PtyShell",
+    "ShellGone",
+    "Terminal",
+    "ansi_c_quote",
+    "decode_prompt",
+    "shell_argv",
+]
 
 CAPTURE_SIGNAL = signal.SIGRTMAX
 READY = b"\n@@tvcache-ready@@\n"
 WAITING = b"\n@@tvcache-waiting@@\n"
-STATE_BEGIN = b"\n@@tvcache-state-begin@@\n"
-STATE_END = b"\n@@tvcache-state-end@@\n"
 WINDOW = (24, 80)  # rows, columns: fixed, so that `ls`, `COLUMNS` and wrapping are the same in every shell
 START_SECONDS = 10.0
 GRACE_SECONDS = 2.0  # after SIGINT, then after SIGKILL of the foreground job, before the shell is given up
 CAPTURE_SECONDS = 5.0
 MAX_STATE_BYTES = 4 << 20
 _CHUNK = 1 << 16
-_STATUS = re.compile(rb"(\d+) (\d+)\r?\n(.*?)@@\r?\n", re.DOTALL)
+_CLOSE_GROUP = "} </dev/null"
+EDITING_NOTE = "\n[line editing (set -o emacs or vi) is not supported in a persistent shell: the shell was ended]\n"
+_FIRST_PAUSE = 0.00002  # between the first looks at a running command's shell; doubled up to _LAST_PAUSE
+_LAST_PAUSE = 0.002
 
-# The functions every shell defines at boot. Builtins are called through ``builtin`` so that user functions or
-# aliases named printf or declare cannot change what the protocol prints; every step that may fail ends in
-# `|| :` because the shell may run under `set -e`. Sections are marked by lines no builtin's output starts with.
-PROTOCOL = r"""__tvcache_end() {
-builtin printf '\n%s %s %s\n' "$1" "$2" "$3"; builtin trap -p DEBUG RETURN; builtin printf '@@\n'; return "$3"
-}
-builtin declare -ft __tvcache_end
-__tvcache_capture() {
-builtin local __tvcache_v=
-builtin printf '\n@@tvcache-state-begin@@\n@@tvcache:status@@\n%s\n' "$1"
-builtin printf '@@tvcache:underscore@@\n'; builtin printf '%q\n' "${@: -1}"
-builtin printf '@@tvcache:args@@\n'; builtin printf '%q\n' "$2" "${@:3:$2}"
-builtin printf '@@tvcache:cwd@@\n'; builtin printf '%q\n' "$PWD"; builtin pwd -P || :
-builtin printf '@@tvcache:vars@@\n'; builtin declare -p || :
-builtin printf '@@tvcache:functions@@\n'; builtin declare -f || :
-builtin printf '@@tvcache:function-attributes@@\n'; builtin declare -F || :
-builtin printf '@@tvcache:aliases@@\n'; builtin alias -p || :
-builtin printf '@@tvcache:shopt@@\n'; builtin shopt -p || :
-builtin printf '@@tvcache:set@@\n'; builtin set +o || :
-builtin printf '@@tvcache:umask@@\n'; builtin umask || :
-builtin printf '@@tvcache:traps@@\n'; builtin trap -p || :
-builtin printf '@@tvcache:dirs@@\n'; builtin dirs -l -p || :
-builtin printf '@@tvcache:hash@@\n'; builtin hash -l 2>/dev/null || :
-builtin printf '@@tvcache:jobs@@\n'; builtin jobs -p || :
-builtin printf '@@tvcache:last-background@@\n%s\n' "${!-}"
-builtin read -r __tvcache_v </proc/sys/kernel/ns_last_pid || :
-builtin printf '@@tvcache:last-pid@@\n%s\n@@tvcache:top-traps@@\n' "$__tvcache_v"
-builtin declare -g __tvcache_u="${@: -1}"
-}
-__tvcache_tail() { builtin unset -v __tvcache_u; builtin printf '@@tvcache-state-end@@\n'; }
-trap '__tvcache_capture "$?" "$#" "$@" "$_"; builtin trap -p ERR; __tvcache_tail "$__tvcache_u"' SIGRTMAX
-"""
+# What every shell runs at boot for the state capture: the SIGRTMAX trap (``capture``, whose docstring says what
+# it guarantees). Nothing else of the protocol lives in the shell.
+PROTOCOL = CAPTURE_PROTOCOL
 # ``SECONDS=0``: every shell's $SECONDS counts from its boot, a warm shell's from its resume (WARM_HEAD) - and the
 # assignment leaves the same trace in ``declare -p`` (a value, no -i) in each, before the state could set -a.
-BOOT_HEAD = "unset -v __TVCACHE_BOOT PROMPT_COMMAND; PS1=; PS2=; set +o history; SECONDS=0\n"
-BOOT_TAIL = "builtin printf '\\n%s\\n' '@@tvcache-ready@@'\n"
+BOOT_HEAD = "builtin unset -v __TVCACHE_BOOT; builtin history -c; set +o history; SECONDS=0\n"
+# Before the ready marker, the boot prints what the prompt escapes that never change in a shell decode to, so
+# that the driver can remove a PS1 built of them (plain bash's default, a virtualenv's prefix) from outputs.
+STATIC_ESCAPES = ("s", "v", "V", "$", "u", "h", "H")
+BOOT_TAIL = (
+    "__tvcache_p='" + "\x1f".join("\\" + letter for letter in STATIC_ESCAPES) + "'\n"
+    "builtin printf '\\n@@tvcache-escapes@@%s\\n' \"${__tvcache_p@P}\"; builtin unset -v __tvcache_p\n"
+    "builtin printf '\\n%s\\n' '@@tvcache-ready@@'\n"
+)
+ESCAPES_MARK = b"\n@@tvcache-escapes@@"
 # bash's dynamic and read-only variables: never unset (they would lose their meaning), never restored, not
 # compared. COLUMNS/LINES are ordinary here: bash sets them after a command, so they are state like the rest.
 DYNAMIC = frozenset(
@@ -137,8 +141,17 @@ WARM_WAIT = RESET_VARIABLES + "builtin printf '\\n%s\\n' '@@tvcache-waiting@@'\n
 WARM_HEAD = "builtin printf %s {last_pid} >&4 || builtin exit 97\nexec 3<&- 4>&-\nSECONDS=0\n"
 _PIPE_BYTES = 1 << 18  # the boot pipe holds a whole boot script (MAX_BOOT_BYTES), so writing it never blocks
 _F_SETPIPE_SZ = 1031
-# Sourced (not evaluated): `source` keeps the line counter, so $LINENO of the first command is 1 in every shell.
-BOOT_COMMAND = 'source /dev/stdin <<< "$__TVCACHE_BOOT"'
+# How the boot reaches bash: typed as its first line, once it started (not PROMPT_COMMAND from the environment:
+# bash 5.2 then never sets PIPESTATUS again; not an rcfile: Debian's bash then sources /etc/bash.bashrc first).
+# ``source`` of a here-string read whole before it runs; ``"$_"`` as its last argument leaves ``$_`` as it was.
+BOOT_LINE = b'. /dev/stdin "$_" <<<"$__TVCACHE_BOOT"\n'
+FRESH_LINENO = 1  # the $LINENO of a booted shell's first command (the boot line is taken back: set_lineno)
+
+
+def shell_argv(bash: str) -> list[str]:
+    """The command line that starts a protocol shell from ``bash`` (its boot in ``__TVCACHE_BOOT``, typed by
+    ``BOOT_LINE``)."""
+    return [bash, "--norc", "--noprofile", "--noediting", "-i"]
 
 
 def ansi_c_quote(text: str) -> str:
@@ -163,6 +176,8 @@ class PtyResult:
     status: int | None
     timed_out: bool
     died: bool
+    background: bool = False  # output may have come from a process other than the command (see the docstring)
+    replaced: str | None = None  # the shell replaced its bash image: why the call's shell is gone
 
     def as_shell_result(self, *, limit: str | None = None) -> ShellResult:
         """This run as the one-shot shells' result, to be rendered the same way (a command that never finished
@@ -184,6 +199,11 @@ class OutputCollector:
         self.limit = limit
         self.kept = bytearray()
         self.total = 0
+
+    def absorb(self, step: OutputCollector, kept: bytes) -> None:
+        """Add ``kept``, what remains of ``step``'s bytes, counting what ``step`` saw beyond its own limit."""
+        self.add(kept)
+        self.total += step.total - len(step.kept)
 
     def add(self, data: bytes | bytearray) -> None:
         room = self.limit - len(self.kept)
@@ -225,6 +245,7 @@ class PtyShell:
     ``PtyShell.adopt`` takes over one already running on a terminal (a CRIU-restored copy)."""
 
     spawned: Spawned | None
+    escapes: dict[str, str]  # what the prompt escapes that never change decode to (the boot says)
 
     def __init__(
         self,
@@ -265,8 +286,7 @@ class PtyShell:
         boot_read = -1
         try:
             environment = {**env, "__TVCACHE_BOOT": boot}
-            environment["PROMPT_COMMAND"] = BOOT_COMMAND
-            argv = [bash, "--norc", "--noprofile", "--noediting", "-i"]
+            argv = shell_argv(bash)
             if mount_fd is None:
                 boot_read, self._boot_pipe = os.pipe2(os.O_CLOEXEC)
                 fcntl.fcntl(self._boot_pipe, _F_SETPIPE_SZ, _PIPE_BYTES)
@@ -281,6 +301,7 @@ class PtyShell:
             )
             os.close(slave)
             slave = -1
+            self._write(BOOT_LINE, time.monotonic() + START_SECONDS)
             self.spawned.wait_started()
             if self.spawned.pid is None:
                 raise SandboxError(f"the persistent shell did not start: {'; '.join(self.spawned.errors)}")
@@ -290,6 +311,10 @@ class PtyShell:
                 READY if mount_fd is not None else WAITING, time.monotonic() + START_SECONDS, collected
             ):
                 raise SandboxError("the persistent shell did not become ready within 10 s")
+            if mount_fd is not None:
+                self.escapes = _escapes(collected.kept)
+            if mount_fd is not None and self.settle(time.monotonic() + START_SECONDS, booted=True) is None:
+                raise SandboxError("the persistent shell did not wait for its first command within 10 s")
         except ShellGone:
             errors = "; ".join(self.spawned.errors) if self.spawned is not None else ""
             self.close()
@@ -326,8 +351,12 @@ class PtyShell:
                     view = view[os.write(pipe, view) :]
             finally:
                 os.close(pipe)
-            if not self._read_until(READY, deadline, OutputCollector(4096)):
+            booted = OutputCollector(4096)
+            if not self._read_until(READY, deadline, booted):
                 raise SandboxError("the warm shell did not become ready within 10 s")
+            self.escapes = _escapes(booted.kept)
+            if self.settle(deadline, booted=True) is None:
+                raise SandboxError("the warm shell did not wait for its first command within 10 s")
         except ShellGone:
             self.close()
             raise SandboxError("the warm shell ended while taking its state") from None
@@ -348,21 +377,34 @@ class PtyShell:
         self.status = 0  # the last command's $?, its line number, and its text ($_ of the next command)
         self.lineno = 0
         self.last_command: str | None = None
-        self.firing_traps = False  # a DEBUG or RETURN trap is set (reported by every epilogue)
+        self._observer: BashObserver | None = None
+        self._idle: Idle | None = None  # the state bash waited in after the last command
+        self.escapes = {}
+        self._others_after: dict[int, tuple[int, bool]] = {}  # the processes besides bash after the last call
         self.spawned = None
         self.pid = 0
         self._boot_pipe = -1  # a warm shell's, until resume
 
     @classmethod
     def adopt(
-        cls, terminal: Terminal, spawned: Spawned, pid: int, *, lineno: int, status: int, last_command: str | None
+        cls,
+        terminal: Terminal,
+        spawned: Spawned,
+        pid: int,
+        *,
+        lineno: int,
+        status: int,
+        last_command: str | None,
+        escapes: Mapping[str, str] | None = None,
     ) -> PtyShell:
         """Drive a shell that already runs the protocol on ``terminal`` (whose slave the caller closes), held by
-        ``spawned``; ``lineno``, ``status`` and ``last_command`` are what its last command left."""
+        ``spawned``; ``lineno``, ``status`` and ``last_command`` are what its last command left, ``escapes``
+        what its boot said its prompt escapes decode to."""
         shell = cls.__new__(cls)
         shell._setup(terminal)
         shell.spawned, shell.pid = spawned, pid
         shell.lineno, shell.status, shell.last_command = lineno, status, last_command
+        shell.escapes = dict(escapes or {})
         return shell
 
     # ------------------------------------------------------------------ reading
@@ -394,33 +436,6 @@ class PtyShell:
                 self._buffer.clear()
                 raise
 
-    def _read_some(self, timeout: float) -> None:
-        ready, _, _ = select.select([self._master], [], [], timeout)
-        if not ready:
-            return
-        try:
-            chunk = os.read(self._master, _CHUNK)
-        except OSError as error:
-            if error.errno == errno.EIO:  # the last descriptor of the slave closed
-                raise ShellGone from None
-            raise
-        if not chunk:
-            raise ShellGone
-        self._buffer += chunk
-
-    def _status_line(self, deadline: float) -> tuple[int, int] | None:
-        while True:
-            match = _STATUS.match(self._buffer)
-            if match:
-                numbers = int(match.group(1)), int(match.group(2))  # before the buffer under the match changes
-                # Visible only to a traced function such as the epilogue: the capture would fire them.
-                self.firing_traps = bool(match.group(3).strip())
-                del self._buffer[: match.end()]
-                return numbers
-            if len(self._buffer) > 1 << 20 or time.monotonic() >= deadline:
-                return None
-            self._read_some(deadline - time.monotonic())
-
     def _write(self, data: bytes, deadline: float) -> bool:
         view = memoryview(data)
         while view:
@@ -443,75 +458,270 @@ class PtyShell:
             if termios.tcgetattr(self._master) != self._mode:
                 termios.tcsetattr(self._master, termios.TCSANOW, self._mode)
 
-    def _translating(self) -> bool:
-        """Whether a command turned output translation back on (``stty -F /dev/tty sane``): then a terminal
-        shows its output with CR LF line ends, and so do we, until the next command resets the mode."""
-        with contextlib.suppress(termios.error):
-            return bool(termios.tcgetattr(self._master)[1] & termios.OPOST)
-        return False
+    # ------------------------------------------------------------------ observing
+
+    @property
+    def observer(self) -> BashObserver:
+        """The reader of this shell's state from outside (``bash_observer``), made on first use."""
+        if self._observer is None or self._observer.pid != self.pid:
+            if self._observer is not None:
+                self._observer.close()
+            self._observer = BashObserver(self.pid, self._slave_device)
+        return self._observer
+
+    @property
+    def firing_traps(self) -> bool:
+        """A DEBUG or RETURN trap is set (read from the shell's memory)."""
+        try:
+            return self.observer.firing_traps()
+        except (ShellReplaced, OSError):
+            return True
+
+    def _type(self, line: bytes, deadline: float) -> int | None:
+        """Write ``line`` to the terminal; the shell's read count it must reach once it took the line, or None
+        when the terminal does not take it by ``deadline``."""
+        target = self.observer.bytes_read() + len(line)
+        return target if self._write(line, deadline) else None
+
+    def _wait_for_prompt(
+        self,
+        deadline: float,
+        into: OutputCollector,
+        abandon: threading.Event | None = None,
+        *,
+        taken: int = 0,
+    ) -> Idle | None:
+        """Collect output until bash's top-level reader waits for a line, having read ``taken`` bytes in all,
+        then every byte written before that (``select`` on the master pushes the terminal's pending input to
+        it); None at the deadline. Checks start tight and back off, so a quick command is seen at once and a
+        long one costs little."""
+        observer = self.observer
+        pause = _FIRST_PAUSE
+        while True:
+            state = observer.idle() if observer.bytes_read() >= taken else None
+            if state is not None:
+                self._drain(into)
+                return state
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or (abandon is not None and abandon.is_set()):
+                return None
+            # Output (a prompt, printed just before bash waits) wakes us; otherwise back off.
+            pause = _FIRST_PAUSE if self._read_some(min(pause, remaining), into) else min(pause * 2, _LAST_PAUSE)
+
+    def _wait_outside_command(self, deadline: float) -> Idle | None:
+        """After a SIGINT: wait until bash waits for a line with no command half read (what it prints is dropped)."""
+        while True:
+            state = self._wait_for_prompt(deadline, OutputCollector(0))
+            if state is None or not state.continuation:
+                return state
+            self._read_some(min(0.0005, max(0.0, deadline - time.monotonic())))
+
+    def _drain(self, into: OutputCollector) -> None:
+        into.add(self._buffer)
+        self._buffer.clear()
+        while select.select([self._master], [], [], 0)[0]:
+            self._read_some(0, into)
+
+    def _read_some(self, timeout: float, into: OutputCollector | None = None) -> bool:
+        """Read what the terminal has within ``timeout`` (into ``into``, else the buffer); whether it had any."""
+        ready, _, _ = select.select([self._master], [], [], timeout)
+        if not ready:
+            return False
+        try:
+            chunk = os.read(self._master, _CHUNK)
+        except OSError as error:
+            if error.errno == errno.EIO:  # the last descriptor of the slave closed
+                raise ShellGone from None
+            raise
+        if not chunk:
+            raise ShellGone
+        if into is None:
+            self._buffer += chunk
+        else:
+            into.add(chunk)
+        return True
 
     # ------------------------------------------------------------------ commands
 
     def run(self, command: str, *, timeout: float, limit: int, abandon: threading.Event | None = None) -> PtyResult:
-        """Type one command and wait for its sentinel. A timeout interrupts the foreground job (SIGINT, then
-        SIGKILL) and resynchronises; the shell lives on unless even that fails, when it is killed."""
+        """Type one command as a group, ``{ <command>`` then ``} </dev/null`` (see the module docstring), and
+        wait until bash's top-level reader waits again; its ``$?`` then is the status. A timeout interrupts the
+        foreground job (SIGINT, then SIGKILL); the shell lives on unless even that fails, when it is killed."""
         collected = OutputCollector(limit)
-        sentinel = secrets.token_hex(16)
-        line = f'eval {ansi_c_quote(command)} </dev/null; {{ __tvcache_end {sentinel} $LINENO $? "$_"; }} 2>/dev/null\n'
-        data = line.encode()
         deadline = time.monotonic() + timeout
+        before = self._idle
+        step = OutputCollector(limit)
         try:
             self._reset_terminal()
-            if self._write(data, deadline) and self._read_until(
-                f"\n{sentinel} ".encode(), deadline, collected, abandon
-            ):
-                numbers = self._status_line(time.monotonic() + GRACE_SECONDS)
-                if numbers is not None:
-                    self.lineno, self.status = numbers
-                    self.last_command = command
-                    if collected.kept.endswith(b"\r") and self._translating():
-                        collected.kept[-1:] = b""  # the epilogue's own newline went out as CR LF
-                        collected.total -= 1
-                    return self._result(collected, data, self.status, timed_out=False)
-            self._recover(collected)
-            return self._result(collected, data, None, timed_out=True)
-        except ShellGone:
+            late = self._pending_output(collected)
+            processes = self._others()
+            # Something wrote between calls, or a job started, ended or wrote since the last call returned.
+            background = late or processes != self._others_after
+            if not command.strip():  # an empty group is a syntax error; an empty line is nothing to bash
+                return self._result(collected, self.status, background=background)
+            lines = [f"{{ {line}" if index == 0 else line for index, line in enumerate(command.split("\n"))]
+            state: Idle | None = None
+            verbose = before is not None and before.verbose
+            for line in [*lines, _CLOSE_GROUP]:
+                step = OutputCollector(limit)
+                typed = line.encode("utf-8", errors="surrogateescape") + b"\n"
+                taken = self._type(typed, deadline)
+                if taken is None:
+                    break
+                state = self._wait_for_prompt(deadline, step, abandon, taken=taken)
+                if state is None:
+                    break
+                if not state.continuation:  # the group ran (closed by us, or by the command), or bash refused it
+                    collected.absorb(
+                        step, self._without_prompts(step, before, command if line is _CLOSE_GROUP else None)
+                    )
+                    break
+                # Still inside the group: nothing ran. What bash printed is its `set -v` echo of our line and its
+                # PS2 prompt, dropped, after the notices of jobs that ended meanwhile, kept.
+                collected.absorb(step, self._without_continuation_prompt(step, typed if verbose else b""))
+                verbose = state.verbose
+            if state is None:
+                collected.absorb(step, bytes(step.kept))
+                self._recover()
+                return self._result(collected, None, background=True, timed_out=True)
+            if state.continuation:
+                return self._incomplete(collected, command, before, deadline)
+            if state.editing:  # readline now echoes and edits what is typed: not a terminal we can drive exactly
+                collected.add(EDITING_NOTE.encode())
+                self.kill()
+                self.close()
+                return self._result(collected, None, background=True, died=True, replaced=EDITING_NOTE.strip())
+            if line is _CLOSE_GROUP:  # one line more than the user typed
+                state = self._take_back_lines(state, 1)
+            self._idle = state
+            self.lineno, self.status, self.last_command = state.lineno, state.status, command
+            return self._result(collected, state.status, background=self._moved(processes) or background)
+        except ShellReplaced as replaced:
+            collected.absorb(step, bytes(step.kept))
+            self.kill()
             self.close()
-            return self._result(collected, data, None, timed_out=False, died=True)
+            return self._result(collected, None, background=True, died=True, replaced=str(replaced))
+        except ShellGone:
+            collected.absorb(step, bytes(step.kept))  # what the command printed before it ended the shell
+            self.close()
+            return self._result(collected, None, background=True, died=True)
+
+    def _without_continuation_prompt(self, step: OutputCollector, echo: bytes) -> bytes:
+        kept = bytes(step.kept)
+        if echo and kept.startswith(echo):
+            kept = kept[len(echo) :]
+        with contextlib.suppress(ShellReplaced, OSError):
+            ps2 = decode_prompt(self.observer.prompts()[2], self.escapes)
+            if ps2 and kept.endswith(ps2):
+                kept = kept[: len(kept) - len(ps2)]
+        return kept
+
+    def _pending_output(self, into: OutputCollector) -> bool:
+        """Bytes on the terminal from before this call (a background process wrote after the last one ended):
+        they open this call's output, as a terminal shows them."""
+        pending = OutputCollector(into.limit)
+        self._drain(pending)
+        into.add(pending.kept)
+        return pending.total > 0
+
+    def _without_prompts(self, step: OutputCollector, before: Idle | None, command: str | None) -> bytes:
+        """The output of the step that ran the group (``command``: closed by our line), without what bash
+        printed for the terminal's user only: under ``set -v`` its echo of our closing line becomes the echo of
+        the command's lines that a plain bash prints (before the output, not between lines: see the README);
+        PS0 before the command and PS1 after it, when they are plain text (a prompt with escapes or expansions
+        stays: see the README)."""
+        kept = bytes(step.kept)
+        if command is not None and before is not None and before.verbose:
+            echo = _CLOSE_GROUP.encode() + b"\n"
+            if kept.startswith(echo):
+                kept = command.encode("utf-8", errors="surrogateescape") + b"\n" + kept[len(echo) :]
+        with contextlib.suppress(ShellReplaced, OSError):
+            ps0, ps1, _ = (decode_prompt(raw, self.escapes) for raw in self.observer.prompts())
+            if ps0 and kept.startswith(ps0):
+                kept = kept[len(ps0) :]
+            if ps1 and kept.endswith(ps1):
+                kept = kept[: len(kept) - len(ps1)]
+            elif ps1 and step.total > len(step.kept):  # cut before its end: the prompt is in the count only
+                step.total -= len(ps1)
+        return kept
+
+    def _incomplete(self, collected: OutputCollector, command: str, before: Idle | None, deadline: float) -> PtyResult:
+        """The command left bash inside an unfinished construct (a quote, a here-document, a compound command):
+        nothing of it ran. SIGINT makes bash drop the partial input (a Ctrl-C at its PS2 prompt), and the
+        command is evaluated as a string instead: bash's own messages, a here-document ended by the end of the
+        command, as ``bash -c`` would (see the README)."""
+        self._signal(signal.SIGINT)
+        state = self._wait_outside_command(min(deadline, time.monotonic() + GRACE_SECONDS))
+        if state is None:
+            self._recover()
+            return self._result(collected, None, background=True, timed_out=True)
+        start = before.lineno if before is not None else state.lineno
+        self._take_back_lines(state, state.lineno - start)  # the eval's lines count from the command's first
+        step = OutputCollector(collected.limit)
+        line = f"eval {ansi_c_quote(command)} </dev/null\n".encode()
+        taken = self._type(line, deadline)
+        result = self._wait_for_prompt(deadline, step, taken=taken) if taken is not None else None
+        if result is None or result.continuation:
+            collected.absorb(step, bytes(step.kept))
+            self._recover()
+            return self._result(collected, None, background=True, timed_out=True)
+        kept = self._without_prompts(step, None, None)
+        if state.verbose and kept.startswith(line):
+            kept = command.encode("utf-8", errors="surrogateescape") + b"\n" + kept[len(line) :]
+        collected.absorb(step, kept)
+        result = self._take_back_lines(result, result.lineno - start - command.count("\n") - 1)
+        self._idle = result
+        self.lineno, self.status, self.last_command = result.lineno, result.status, command
+        return self._result(collected, result.status, background=True)
 
     def _result(
-        self, collected: OutputCollector, line: bytes, status: int | None, *, timed_out: bool, died: bool = False
+        self,
+        collected: OutputCollector,
+        status: int | None,
+        *,
+        background: bool,
+        timed_out: bool = False,
+        died: bool = False,
+        replaced: str | None = None,
     ) -> PtyResult:
-        kept, total = bytes(collected.kept), collected.total
-        if kept.startswith(line):  # `set -v` echoes each line bash reads, our protocol line included
-            kept, total = kept[len(line) :], total - len(line)
-        return PtyResult(output=kept, total_bytes=total, status=status, timed_out=timed_out, died=died)
+        return PtyResult(
+            output=bytes(collected.kept),
+            total_bytes=collected.total,
+            status=status,
+            timed_out=timed_out,
+            died=died,
+            background=background,
+            replaced=replaced,
+        )
 
-    def _recover(self, collected: OutputCollector) -> None:
-        """After a timeout: SIGINT to the terminal's foreground job, then SIGKILL to it, each followed by a
-        resynchronising line; when the shell itself still does not answer, kill it (raises ShellGone)."""
-        sentinel = secrets.token_hex(16)
-        line = f'{{ __tvcache_end {sentinel} $LINENO $? "$_"; }} 2>/dev/null\n'.encode()
-        token = f"\n{sentinel} ".encode()
+    def _recover(self) -> None:
+        """After a timeout: SIGINT to the terminal's foreground job (or to bash, busy itself), then SIGKILL to
+        the job, each followed by a wait for bash's reader; when bash still does not wait for a line, kill it
+        (raises ShellGone). What is printed meanwhile is dropped."""
         for signum in (signal.SIGINT, signal.SIGKILL):
             group = self._foreground_group()
             if group is not None and (signum == signal.SIGINT or group != self.pid):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(group, signum)
-            elif signum == signal.SIGINT and self.spawned is not None:
-                self.spawned.send_signal(signal.SIGINT)  # bash itself is busy (a loop in the shell)
+            elif signum == signal.SIGINT:
+                self._signal(signal.SIGINT)  # bash itself is busy (a loop in the shell)
             self._reset_terminal()
-            deadline = time.monotonic() + GRACE_SECONDS
-            ignored = OutputCollector(0)
-            if self._write(line, deadline) and self._read_until(token, deadline, ignored):
-                numbers = self._status_line(time.monotonic() + GRACE_SECONDS)
-                if numbers is not None:
-                    self.lineno, self.status = numbers
-                    self.last_command = None
-                    return
+            state = self._wait_for_prompt(time.monotonic() + GRACE_SECONDS, OutputCollector(0))
+            if state is not None and state.continuation:
+                self._signal(signal.SIGINT)  # the group's closing line never came: drop it
+                state = self._wait_outside_command(time.monotonic() + GRACE_SECONDS)
+            if state is not None and not state.continuation:
+                self._idle = state
+                self.lineno, self.status, self.last_command = state.lineno, state.status, None
+                return
         self.kill()
         while True:  # until the pty reports the end, bounded by the kernel killing the namespace
             self._read_some(GRACE_SECONDS)
+
+    def _signal(self, signum: int) -> None:
+        """Send ``signum`` to bash itself (PID 1 of its namespace: through the zygote that holds it)."""
+        if self.spawned is not None:
+            self.spawned.send_signal(signum)
 
     def _foreground_group(self) -> int | None:
         try:
@@ -519,63 +729,105 @@ class PtyShell:
         except OSError:
             return None
 
-    def synchronise(self, line: str, sentinel: str, deadline: float) -> tuple[int, int] | None:
-        """Type ``line`` (which ends with the epilogue for ``sentinel``), drop its output, return its line number
-        and status; None when it does not answer by ``deadline``."""
-        ignored = OutputCollector(0)
+    def synchronise(self, line: str, deadline: float) -> Idle | None:
+        """Type ``line`` (lines of the restore, no user command), drop what it prints, and return the state
+        bash then waits in; None when it does not wait for a line by ``deadline``."""
         try:
             self._reset_terminal()
-            if self._write(line.encode(), deadline) and self._read_until(f"\n{sentinel} ".encode(), deadline, ignored):
-                return self._status_line(deadline + GRACE_SECONDS)
-        except ShellGone:
+            taken = self._type(line.encode("utf-8", errors="surrogateescape"), deadline)
+            if taken is not None:
+                state = self._wait_for_prompt(deadline, OutputCollector(0), taken=taken)
+                if state is not None and not state.continuation:
+                    self._idle = state
+                    self.lineno, self.status = state.lineno, state.status
+                    return state
+        except (ShellGone, ShellReplaced):
             self.close()
         return None
+
+    def _take_back_lines(self, state: Idle, count: int) -> Idle:
+        """``state`` with its line number ``count`` lower, in bash too (``BashObserver.set_lineno``)."""
+        lineno = state.lineno - count
+        self.observer.set_lineno(lineno)
+        return Idle(status=state.status, lineno=lineno, continuation=state.continuation, verbose=state.verbose)
+
+    def settle(self, deadline: float, *, booted: bool = False) -> Idle | None:
+        """Wait until bash waits for a line (after its boot, ``booted``: whose line is taken back, or after a
+        restore) and note its state."""
+        try:
+            state = self._wait_for_prompt(deadline, OutputCollector(0))
+            if state is not None and booted:
+                state = self._take_back_lines(state, 1)
+        except (ShellGone, ShellReplaced):
+            self.close()
+            return None
+        if state is not None:
+            self._idle = state
+            self.lineno, self.status = state.lineno, state.status
+        return state
 
     # ------------------------------------------------------------------ state
 
     def capture(self) -> bytes | None:
-        """The shell's state as printed by ``__tvcache_capture`` (between commands only), or None when the
-        shell does not answer (its trap was removed or replaced). A capture that was signalled but did not
-        finish kills the shell: the rest of it could come later, inside a command's output."""
-        if self.spawned is None or not self.wait_idle() or not _catches(self.pid, CAPTURE_SIGNAL):
-            return None  # busy, or the default action of SIGRTMAX: it would terminate the shell
-        self._reset_terminal()
-        before = OutputCollector(MAX_STATE_BYTES)
-        deadline = time.monotonic() + CAPTURE_SECONDS
+        """The shell's state (``capture.take_capture``: between commands only), or None when it cannot be taken
+        or trusted; ``capture_state`` says why."""
         try:
-            if not self.spawned.send_signal(CAPTURE_SIGNAL):
-                return None
-            state = OutputCollector(MAX_STATE_BYTES)
-            if (
-                not self._read_until(STATE_BEGIN, deadline, before)
-                or not self._read_until(STATE_END, deadline, state)
-                or state.total > MAX_STATE_BYTES
-            ):
-                self.close()
-                return None
-        except ShellGone:
-            self.close()
+            return self.capture_state()
+        except CaptureRefused:
             return None
-        # Anything printed before the marker (a prompt after the last command) belongs to the next command.
-        self._buffer[:0] = before.kept
-        return bytes(state.kept)
+
+    def capture_state(self, *, checked: bool = True) -> bytes:
+        """The shell's state as ``capture.encode_state`` bytes, or CaptureRefused saying why not (the shell goes on
+        as it was, unless it did not finish the trap in time: then it was ended). ``checked=False``: a shell that
+        ran nothing but its boot (a restore being verified), where no code of a user's can be in the way."""
+        return take_capture(self, checked=checked)
 
     def wait_idle(self, timeout: float = GRACE_SECONDS) -> bool:
-        """Wait until bash blocks reading its terminal (``read`` on descriptor 0): the sentinel is printed a
-        moment before bash undoes the epilogue's redirection and returns to its input, and a probe or a capture
-        in that moment would see the redirection, or run inside the epilogue."""
+        """Wait until bash's top-level reader waits for a line outside any command (``bash_observer``); what
+        arrives meanwhile is kept for the next command. False when it does not by ``timeout`` or is gone."""
         deadline = time.monotonic() + timeout
-        while True:
+        try:
+            observer = self.observer
+            while True:
+                state = observer.idle()
+                if state is not None and not state.continuation:
+                    return True
+                if time.monotonic() >= deadline:
+                    return False
+                self._read_some(min(0.0005, max(0.0, deadline - time.monotonic())))
+        except (ShellGone, ShellReplaced, OSError):
+            return False
+
+    def _others(self) -> dict[int, tuple[int, bool]]:
+        """Every process in the shell's namespace but bash: its write count (``wchar``) and whether it holds
+        the terminal (on descriptor 1 or 2)."""
+        found: dict[int, tuple[int, bool]] = {}
+        pending = self.children()
+        while pending:
+            pid = pending.pop()
             try:
-                with open(f"/proc/{self.pid}/syscall") as handle:
-                    fields = handle.read().split()
-            except OSError:
-                return False
-            if fields[:2] == ["0", "0x0"]:
+                with open(f"/proc/{pid}/io", "rb") as handle:
+                    written = int(handle.read().split(b"\n")[1].split()[1])
+                terminal = any(_device(f"/proc/{pid}/fd/{fd}") == self._slave_device for fd in (1, 2))
+                with open(f"/proc/{pid}/task/{pid}/children") as handle:
+                    pending += [int(child) for child in handle.read().split()]
+            except (OSError, IndexError, ValueError):
+                continue  # it just ended
+            found[pid] = (written, terminal)
+        return found
+
+    def _moved(self, before: dict[int, tuple[int, bool]]) -> bool:
+        """Whether a process other than the call's foreground job may have written to the terminal during the
+        call, or a job's status changed (bash notes that on the terminal at a moment that depends on timing):
+        a process of ``before`` ended or wrote while holding the terminal, or one started by the call still
+        runs and wrote. Kept for the next call's comparison."""
+        after = self._others_after = self._others()
+        if any(pid not in after for pid in before):
+            return True
+        for pid, (written, terminal) in after.items():
+            if terminal and written != before.get(pid, (0, True))[0]:
                 return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.00005)
+        return False
 
     def children(self) -> list[int]:
         """Processes whose parent is the shell; as PID 1 of its namespace it inherits every orphan, so this is
@@ -629,7 +881,62 @@ class PtyShell:
         if self._boot_pipe >= 0:
             os.close(self._boot_pipe)
             self._boot_pipe = -1
+        if self._observer is not None:
+            self._observer.close()
         os.close(self._master)
+
+
+_FIXED_ESCAPES = {"a": b"\a", "e": b"\x1b", "n": b"\n", "r": b"\r", "\\": b"\\", "[": b"", "]": b""}
+
+
+def _device(path: str) -> int:
+    try:
+        return os.stat(path).st_rdev
+    except OSError:
+        return -1
+
+
+def decode_prompt(raw: bytes, escapes: Mapping[str, str]) -> bytes | None:
+    """What bash prints for the prompt string ``raw``, when that does not depend on the moment: escapes of
+    ``_FIXED_ESCAPES``, octal ones and those the boot decoded (``escapes``); None for anything else (the time,
+    the directory, the command number, ``$`` or backquote expansions, ``!``)."""
+    if not raw:
+        return b""
+    out = bytearray()
+    index = 0
+    while index < len(raw):
+        byte = raw[index : index + 1]
+        index += 1
+        if byte in (b"$", b"`", b"!"):
+            return None
+        if byte != b"\\":
+            out += byte
+            continue
+        letter = raw[index : index + 1].decode("latin-1")
+        index += 1
+        if letter in _FIXED_ESCAPES:
+            out += _FIXED_ESCAPES[letter]
+        elif letter in escapes:
+            out += escapes[letter].encode("utf-8", errors="surrogateescape")
+        elif letter.isdigit() and letter < "8":
+            digits = raw[index - 1 : index + 2]
+            if len(digits) < 3 or not all(48 <= char < 56 for char in digits):
+                return None
+            out.append(int(digits, 8) & 0xFF)
+            index += 2
+        else:
+            return None
+    return bytes(out)
+
+
+def _escapes(booted: bytes | bytearray) -> dict[str, str]:
+    """The boot's decoding of ``STATIC_ESCAPES`` (empty when it is not there)."""
+    start = booted.rfind(ESCAPES_MARK)
+    if start < 0:
+        return {}
+    line = bytes(booted[start + len(ESCAPES_MARK) :]).split(b"\n", 1)[0].rstrip(b"\r")
+    values = line.decode("utf-8", errors="surrogateescape").split("\x1f")
+    return dict(zip(STATIC_ESCAPES, values, strict=False)) if len(values) == len(STATIC_ESCAPES) else {}
 
 
 def _catches(pid: int, signum: int) -> bool:

@@ -19,6 +19,10 @@ from .pty_shell import PtyResult, PtyShell
 
 __all__ = ["NEW_SHELL_NOTE", "PersistentShellCalls", "persistent_command"]
 
+REPLACED_NOTE = (
+    "[the shell replaced itself with another program (exec); the next call starts a new shell in the same files, "
+    "and nothing this sandbox does is cached from now on]"
+)
 NEW_SHELL_NOTE = "[a new shell was started: the previous one ended; its variables, functions and jobs are gone]"
 
 
@@ -71,7 +75,7 @@ class PersistentShellCalls:
         result = shell.run(command, timeout=timeout, limit=self._output_limit(), abandon=abandon)
         code = None
         if result.died:
-            self._untrusted = "its shell ended"
+            self._untrusted = "its shell ended" if result.replaced is None else "its shell replaced itself (exec)"
             code = self._ended_code(shell)
         return result, restarted, code
 
@@ -80,14 +84,17 @@ class PersistentShellCalls:
         outcome = render_shell(plain, self._output_limit(), timeout)
         text = outcome.output
         if result.died:
-            text += ("" if not text or text.endswith("\n") else "\n") + self._ended_note(code)
+            note = self._ended_note(code) if result.replaced is None else REPLACED_NOTE
+            if result.replaced is not None and "line editing" in result.replaced:
+                note = self._ended_note(None)
+            text += ("" if not text or text.endswith("\n") else "\n") + note
         if restarted:
             text = NEW_SHELL_NOTE + "\n" + text
         return Outcome(
             output=text,
             is_error=outcome.is_error or result.died,
             changed_state=True,  # even `cat` moves $LINENO and $_ in a persistent shell
-            deterministic=outcome.deterministic and self._untrusted is None,
+            deterministic=outcome.deterministic and self._untrusted is None and not result.background,
         )
 
     def _kill_shell(self) -> None:

@@ -1,0 +1,239 @@
+"""A live bash read from outside: whether it waits for a command, and its ``$?`` and ``$LINENO``, from the kernel
+and from the shell's own memory, never from anything the shell prints.
+
+Why. A command runs inside the shell's process: anything the shell could print about itself (a sentinel, a
+status line), the command can print first, or stop the shell from printing, by a DEBUG trap, a function named
+like a builtin, ``enable -n``, ``exec >file``... So the driver does not ask the shell. It reads:
+
+* ``/proc/<pid>/syscall``: the shell is blocked in ``read`` on descriptor 0, its terminal (checked by device);
+* bash's globals, through ``/proc/<pid>/mem`` at the addresses of its exported symbols (bash exports them for
+  loadable builtins; found in the ELF dynamic symbol table of ``/proc/<pid>/exe``, relocated by the load address
+  in ``/proc/<pid>/maps``): no builtin, function, trap, ``eval``, ``source`` or loop is running
+  (``executing``, ``executing_builtin``, ``running_trap``, ``variable_context``, ``loop_level``,
+  ``parse_and_execute_level``, ``sourcelevel``), and whether the parser is in the middle of a command
+  (``current_command_line_count``). Then ``last_command_exit_value`` is the ``$?`` the next command would see,
+  and ``line_number`` its ``$LINENO``.
+
+Both reads together mean "bash's top-level reader waits for the next line": a ``read`` builtin, a trap, a
+function or a loop waiting on the terminal all show in the globals. What stays open: a process that rewrites
+bash's memory (``/proc/1/mem`` is hidden from the sandbox, see ``zygote_process``) or replaces bash (``exec``: the
+memory descriptor of the old image then reads nothing, which ``ShellReplaced`` reports).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+from dataclasses import dataclass
+
+__all__ = ["BashObserver", "Idle", "ShellReplaced", "UnknownBash"]
+
+# The globals read at each check, in the order of ``_STATE``; all are C ints.
+_BUSY = (
+    "executing",
+    "executing_builtin",
+    "running_trap",
+    "variable_context",
+    "loop_level",
+    "parse_and_execute_level",
+    "sourcelevel",
+)
+_STATE = (
+    *_BUSY,
+    "current_command_line_count",
+    "last_command_exit_value",
+    "line_number",
+    "echo_input_at_read",
+    "no_line_editing",
+)
+_READ, _PSELECT6 = b"0", b"270"  # readline waits in pselect6 before it reads
+_POINTERS = ("trap_list", "ps1_prompt", "ps2_prompt", "ps0_prompt")
+# bash's trap_list: one pointer per signal (NSIG of glibc: 65), then DEBUG, ERR and RETURN.
+_DEBUG_TRAP, _RETURN_TRAP = 65, 67
+_SIG_IGN = 1
+_SHT_DYNSYM = 11
+_STT_OBJECT = 1
+
+
+class UnknownBash(Exception):
+    """The shell's binary is not a bash whose globals we can find (not ELF64, stripped of its dynamic symbols)."""
+
+
+class ShellReplaced(Exception):
+    """The process no longer runs the bash image it was started with (``exec``), or its memory cannot be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """A shell waiting for its next line: ``status`` and ``lineno`` are what its next command sees as ``$?`` and
+    ``$LINENO``; ``continuation`` says it is inside an unfinished command (a quote, a group, a here-document)."""
+
+    status: int
+    lineno: int
+    continuation: bool
+    verbose: bool  # ``set -v``: bash echoes each line it reads
+    editing: bool = False  # ``set -o emacs``/``vi``: readline reads the terminal, and echoes what is typed
+
+
+@functools.lru_cache(maxsize=8)
+def _symbols(identity: tuple[int, int, int, int], path: str) -> dict[str, int]:
+    """Offsets of bash's exported data objects in its image (``identity``: the file's device, inode, size and
+    mtime, so that a changed binary is read again)."""
+    with open(path, "rb") as handle:
+        data = handle.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise UnknownBash(f"{path} is not a little-endian 64-bit ELF file")
+    (section_offset,) = struct.unpack_from("<Q", data, 0x28)
+    entry_size, count = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, section_offset + i * entry_size) for i in range(count)]
+    found: dict[str, int] = {}
+    for _, kind, _, _, offset, size, link, _, _, _ in sections:
+        if kind != _SHT_DYNSYM:
+            continue
+        strings = sections[link][4]
+        for index in range(size // 24):
+            name, info, _, _, value, _ = struct.unpack_from("<IBBHQQ", data, offset + index * 24)
+            if value and info & 0xF == _STT_OBJECT:
+                start = strings + name
+                found[data[start : data.index(b"\0", start)].decode("ascii", "replace")] = value
+    missing = [name for name in (*_STATE, *_POINTERS) if name not in found]
+    if missing:
+        raise UnknownBash(f"{path} does not export {', '.join(missing)} (not bash 5, or stripped)")
+    return found
+
+
+class BashObserver:
+    """Reads one bash process from outside (see the module docstring). Cheap: one ``pread`` of the syscall file
+    and one per global; descriptors kept open. ``terminal`` is the device number the shell's descriptor 0 must
+    have."""
+
+    def __init__(self, pid: int, terminal: int) -> None:
+        self.pid = pid
+        self._terminal = terminal
+        self._syscall = -1
+        self._io = -1
+        self._mem = -1
+        try:
+            exe = f"/proc/{pid}/exe"
+            info = os.stat(exe)
+            symbols = _symbols((info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns), exe)
+            base = _load_address(pid, info)
+            self._addresses = [base + symbols[name] for name in _STATE]
+            self._trap_list = base + symbols["trap_list"]
+            self._prompts = [base + symbols[name] for name in ("ps0_prompt", "ps1_prompt", "ps2_prompt")]
+            self._syscall = os.open(f"/proc/{pid}/syscall", os.O_RDONLY | os.O_CLOEXEC)
+            self._io = os.open(f"/proc/{pid}/io", os.O_RDONLY | os.O_CLOEXEC)
+            self._mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+        except BaseException:
+            self.close()
+            raise
+
+    def idle(self) -> Idle | None:
+        """The shell's state when its top-level reader waits on the terminal, else None (it is busy)."""
+        if not self._blocked_reading_terminal(editing=True):
+            return None
+        values = [self._int(address) for address in self._addresses]
+        if any(values[: len(_BUSY)]):
+            return None
+        continuation, status, lineno, verbose, no_editing = values[len(_BUSY) :]
+        if not self._blocked_reading_terminal(editing=not no_editing):  # it woke while we read: look again
+            return None
+        return Idle(
+            status=status,
+            lineno=lineno,
+            continuation=continuation > 0,
+            verbose=bool(verbose),
+            editing=not no_editing,
+        )
+
+    def bytes_read(self) -> int:
+        """How many bytes the shell's own ``read`` calls returned so far (``rchar``): a typed line was taken
+        once this grew by its length (bash reads nothing else while it waits)."""
+        try:
+            data = os.pread(self._io, 256, 0)
+        except OSError as error:
+            raise ShellReplaced(f"the shell's I/O counters cannot be read ({error.strerror})") from None
+        return int(data.split(b"\n", 1)[0].split()[1])
+
+    def reading_terminal(self) -> bool:
+        """Blocked in ``read`` on descriptor 0 (the top level, or a builtin or program of the shell's own)."""
+        return self._blocked_reading_terminal()
+
+    def _blocked_reading_terminal(self, editing: bool = False) -> bool:
+        try:
+            fields = os.pread(self._syscall, 128, 0).split(maxsplit=2)
+        except OSError:
+            return False
+        if fields[:2] != [_READ, b"0x0"] and not (editing and fields[:1] == [_PSELECT6]):
+            return False
+        try:
+            return os.stat(f"/proc/{self.pid}/fd/0").st_rdev == self._terminal
+        except OSError:
+            return False
+
+    def set_lineno(self, value: int) -> None:
+        """Set bash's line counter (``$LINENO`` of the next command) while it waits for a line: the driver types
+        one line more per command than a user would (the group's closing line), and takes it back here, so
+        that ``$LINENO`` counts as at a terminal. The only write the driver makes into the shell."""
+        address = self._addresses[_STATE.index("line_number")]
+        try:
+            descriptor = os.open(f"/proc/{self.pid}/mem", os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                written = os.pwrite(descriptor, int(value).to_bytes(4, "little", signed=True), address)
+            finally:
+                os.close(descriptor)
+        except OSError as error:
+            raise ShellReplaced(f"the shell's line counter cannot be set ({error.strerror})") from None
+        if written != 4:
+            raise ShellReplaced("the shell's line counter cannot be set")
+
+    def firing_traps(self) -> bool:
+        """Whether a DEBUG or RETURN trap is set (they would fire inside a capture or a restore)."""
+        return any(self._pointer(self._trap_list + 8 * index) > _SIG_IGN for index in (_DEBUG_TRAP, _RETURN_TRAP))
+
+    def prompts(self) -> tuple[bytes, bytes, bytes]:
+        """PS0, PS1 and PS2 as bash last read them for a prompt (raw, before their escapes are decoded)."""
+        return tuple(self._string(self._pointer(address)) for address in self._prompts)  # type: ignore[return-value]
+
+    def _int(self, address: int) -> int:
+        data = self._read(address, 4)
+        return int.from_bytes(data, "little", signed=True)
+
+    def _pointer(self, address: int) -> int:
+        return int.from_bytes(self._read(address, 8), "little")
+
+    def _string(self, address: int, limit: int = 4096) -> bytes:
+        if address == 0:
+            return b""
+        data = self._read(address, limit, exact=False)
+        end = data.find(b"\0")
+        return data if end < 0 else data[:end]
+
+    def _read(self, address: int, size: int, *, exact: bool = True) -> bytes:
+        try:
+            data = os.pread(self._mem, size, address)
+        except OSError as error:
+            raise ShellReplaced(f"the shell's memory cannot be read ({error.strerror})") from None
+        if not data or (exact and len(data) != size):
+            raise ShellReplaced("the shell replaced its bash image (exec)")
+        return data
+
+    def close(self) -> None:
+        for name in ("_syscall", "_io", "_mem"):
+            descriptor = getattr(self, name)
+            if descriptor >= 0:
+                os.close(descriptor)
+                setattr(self, name, -1)
+
+
+def _load_address(pid: int, exe: os.stat_result) -> int:
+    """Where the first page of the bash binary is mapped in ``pid`` (the base its symbol offsets add to): the
+    mapping at file offset 0 of the executable's path (overlay files show their own path, not their inode)."""
+    path = os.readlink(f"/proc/{pid}/exe")
+    with open(f"/proc/{pid}/maps") as handle:
+        for line in handle:
+            fields = line.rstrip("\n").split(maxsplit=5)
+            if len(fields) == 6 and int(fields[2], 16) == 0 and fields[5] == path:
+                return int(fields[0].split("-")[0], 16)
+    raise UnknownBash(f"the bash image of process {pid} is not in its memory map")

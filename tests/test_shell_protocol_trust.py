@@ -1,0 +1,97 @@
+"""The persistent shell's protocol against a command that tries to forge its status or break the protocol
+(issue 23, items 1, 2, 6 and 7), on the overlay flavour; the Docker flavour runs the same cases in
+tests/test_docker.py. Also the out-of-band reader itself (``bash_observer``)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from shell_trust_cases import CASES, Case, run_background_case, run_case, sh
+from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory
+from tvcache.sandboxes.shell.linux import overlay_supported
+from tvcache.sandboxes.shell.pty_shell import decode_prompt
+
+pytestmark = pytest.mark.skipif(not overlay_supported(), reason="overlay mounts need root on Linux >= 6.8")
+
+
+def factory_for(tmp_path: Path) -> ShellSandboxFactory:
+    base = tmp_path / "base"
+    base.mkdir(exist_ok=True)
+    factory = ShellSandbox.factory(base, fallback=False, store_root=tmp_path / "layers", persistent=True)
+    assert isinstance(factory, ShellSandboxFactory)
+    return factory
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_a_command_cannot_forge_or_break_the_protocol(tmp_path: Path, case: Case) -> None:
+    factory = factory_for(tmp_path)
+
+    async def main() -> None:
+        sandbox = await factory.start()
+        try:
+            await run_case(sandbox.execute, case)
+        finally:
+            await sandbox.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        factory.close()
+
+
+def test_output_from_a_background_process_is_not_deterministic(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path)
+
+    async def main() -> None:
+        sandbox = await factory.start()
+        try:
+            await run_background_case(sandbox.execute)
+        finally:
+            await sandbox.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        factory.close()
+
+
+def test_exec_of_another_program_ends_the_call_and_untrusts_the_sandbox(tmp_path: Path) -> None:
+    factory = factory_for(tmp_path)
+
+    async def main() -> list[str]:
+        sandbox = await factory.start()
+        try:
+            outputs = [(await sandbox.execute(sh("exec bash --norc -i"))).output]
+            outputs.append((await sandbox.execute(sh("echo after"))).output)
+            assert not sandbox.trusted
+            return outputs
+        finally:
+            await sandbox.stop()
+
+    try:
+        replaced, after = asyncio.run(main())
+    finally:
+        factory.close()
+    assert "replaced itself" in replaced or "shell ended" in replaced
+    assert after.endswith("after\n")
+
+
+@pytest.mark.parametrize(
+    ("raw", "decoded"),
+    [
+        (b"", b""),
+        (b"(.venv) ", b"(.venv) "),
+        (b"\\s-\\v\\$ ", b"bash-5.2# "),
+        (b"(.venv) \\u@\\h:\\[\\e[1m\\]x\\[\\e[0m\\] ", b"(.venv) root@box:\x1b[1mx\x1b[0m "),
+        (b"\\101\\n", b"A\n"),
+        (b"\\w$ ", None),  # the directory: not fixed
+        (b"$(date) ", None),  # an expansion
+        (b"\\# ", None),  # the command number
+    ],
+)
+def test_prompts_decode_only_when_fixed(raw: bytes, decoded: bytes | None) -> None:
+    escapes = {"s": "bash", "v": "5.2", "$": "#", "u": "root", "h": "box"}
+    assert decode_prompt(raw, escapes) == decoded
