@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from shell_trust_cases import CASES as TRUST_CASES
+from shell_trust_cases import Case, run_background_case, run_case
 from test_differential import SHELL, cached, uncached
 from test_sandboxes import (
     Backend,
@@ -879,3 +881,32 @@ def test_the_dockerfile_workload_is_left_out_without_an_engine(monkeypatch: pyte
     assert result.returncode != 0
     assert "cannot run here: needs a Docker engine" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("case", TRUST_CASES, ids=[case.name for case in TRUST_CASES])
+def test_a_persistent_docker_shell_cannot_be_forged_or_broken(engine: None, case: Case) -> None:
+    """The same trust cases as the overlay flavour's (tests/shell_trust_cases.py): one protocol, one driver."""
+    factory = DockerSandbox.factory(BASE, persistent=True)
+
+    async def main() -> None:
+        sandbox = await factory.start()
+        try:
+            await run_case(sandbox.execute, case)
+        finally:
+            await sandbox.stop()
+
+    run(main())
+    assert factory.owned() == ([], [])
+
+
+def test_output_from_a_background_process_in_a_docker_shell_is_not_deterministic(engine: None) -> None:
+    factory = DockerSandbox.factory(BASE, persistent=True)
+
+    async def main() -> None:
+        sandbox = await factory.start()
+        try:
+            await run_background_case(sandbox.execute)
+        finally:
+            await sandbox.stop()
+
+    run(main())

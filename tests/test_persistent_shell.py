@@ -356,7 +356,8 @@ def test_hundreds_of_warm_forks_leave_only_the_pool_and_it_ends_with_the_factory
         await live.stop()
         for _ in range(200):
             fork = await factory.fork(snapshot)
-            outputs.add((await fork.execute(sh("echo $V $PWD; sleep 0 & echo $!"))).output)
+            # Whether bash notes the job's end ("Done") before it waits again is timing, as at a terminal.
+            outputs.add(_without_job_notices((await fork.execute(sh("echo $V $PWD; sleep 0 & echo $!"))).output))
             await fork.stop()
         factory.discard(snapshot)
 

@@ -29,6 +29,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import threading
@@ -206,13 +207,21 @@ class DockerSandboxFactory:
             )
         checkpoint_dir = snapshot.meta.get("checkpoint_dir")
         last_pid = snapshot.meta.get("last_pid")
+        escapes = snapshot.meta.get("prompt_escapes")
         return await self._launch(
             str(snapshot.meta["image"]),
             str(checkpoint_dir) if checkpoint_dir else None,
             int(last_pid) if last_pid is not None else None,
+            json.loads(escapes) if isinstance(escapes, str) else None,
         )
 
-    async def _launch(self, image: str, checkpoint_dir: str | None, last_pid: int | None = None) -> ContainerSandbox:
+    async def _launch(
+        self,
+        image: str,
+        checkpoint_dir: str | None,
+        last_pid: int | None = None,
+        escapes: dict[str, str] | None = None,
+    ) -> ContainerSandbox:
         await self._sweep_once()
         await self._slots.acquire()
         name = f"{self.name_prefix}-{uuid.uuid4().hex[:8]}"
@@ -220,7 +229,7 @@ class DockerSandboxFactory:
             self._owned.containers.add(name)  # before it exists: an exit meanwhile still removes it
         try:
             if self.persistent:
-                return await self._launch_shell(image, name, checkpoint_dir, last_pid)
+                return await self._launch_shell(image, name, checkpoint_dir, last_pid, escapes)
             if checkpoint_dir is not None:
                 container = await self._check(self.commands.run(image, name, create_only=True), "docker create", image)
                 await asyncio.to_thread(self._place_checkpoint, checkpoint_dir, container)
@@ -235,7 +244,12 @@ class DockerSandboxFactory:
         return sandbox
 
     async def _launch_shell(
-        self, image: str, name: str, checkpoint_dir: str | None, last_pid: int | None
+        self,
+        image: str,
+        name: str,
+        checkpoint_dir: str | None,
+        last_pid: int | None,
+        escapes: dict[str, str] | None = None,
     ) -> ContainerSandbox:
         environment = {**self.commands.environment, **shell_environment()}
         docker = self.commands.docker
@@ -251,6 +265,7 @@ class DockerSandboxFactory:
             await asyncio.to_thread(self._place_checkpoint, checkpoint_dir, container)
             argv = self.commands.start_shell(name, "snap")
             shell = await asyncio.to_thread(DockerShell, argv, name=name, docker=docker, restored=True)
+            shell.escapes = dict(escapes or {})  # what the original's boot said its prompt decodes to
             if last_pid is not None and not await asyncio.to_thread(shell.set_last_pid, last_pid):
                 await asyncio.to_thread(shell.close)
                 raise SandboxError(f"docker sandbox {name}: cannot set the restored container's last PID (nsenter)")

@@ -34,13 +34,14 @@ import asyncio
 import contextlib
 import fcntl
 import functools
+import json
 import os
+import secrets
 import select
 import signal
 import struct
 import subprocess
 import termios
-import threading
 import time
 import tty
 from typing import TYPE_CHECKING
@@ -56,6 +57,7 @@ from .shell.pty_shell import (
     BOOT_HEAD,
     BOOT_LINE,
     BOOT_TAIL,
+    GRACE_SECONDS,
     PROTOCOL,
     READY,
     WINDOW,
@@ -96,16 +98,7 @@ class DockerShell(PtyShell):
 
     def __init__(self, argv: list[str], *, name: str, docker: str, restored: bool = False) -> None:
         # PtyShell's state, set here: its __init__ spawns a confined shell, this one spawns the docker CLI.
-        self._buffer = bytearray()
-        self._closed = False
-        self._lock = threading.Lock()
-        self.status = 0
-        self.lineno = 0
-        self.last_command: str | None = None
-        self.spawned = None
-        self._observer = None
-        self._idle = None
-        self.escapes = {}
+        self._setup_state()
         self.name = name
         self._docker = docker
         self._terminal = -1  # the container's side of the terminal, opened through /proc
@@ -238,6 +231,19 @@ class DockerShell(PtyShell):
             if termios.tcgetattr(self._terminal) != self._mode:
                 termios.tcsetattr(self._terminal, termios.TCSANOW, self._mode)
 
+    def _drain(self, into: OutputCollector) -> None:
+        """Every byte the container's terminal got before now: the engine relays it to our terminal a moment
+        later, so a barrier of ours goes after them, into the same queue (written to the container's side), and
+        what arrives before it is all there was."""
+        barrier = b"\x1b[tvcache-barrier:" + secrets.token_hex(8).encode() + b"]"
+        try:
+            os.write(self._terminal, barrier)
+        except OSError:
+            super()._drain(into)
+            return
+        if not self._read_until(barrier, time.monotonic() + GRACE_SECONDS, into):
+            raise ShellGone  # the relay stopped: the container is gone or stuck
+
     def _signal(self, signum: int) -> None:
         with contextlib.suppress(OSError):
             if self._pidfd >= 0:
@@ -362,7 +368,7 @@ class PersistentDockerSandbox(PersistentShellCalls, ContainerSandbox):
         last = await asyncio.to_thread(shell.take_last_pid) if shell is not None else None
         if last is None:
             raise SnapshotDeclined(f"{self._where('snapshot')}: cannot read the container's last PID (nsenter)")
-        return {"last_pid": str(last)}
+        return {"last_pid": str(last), "prompt_escapes": json.dumps(shell.escapes if shell is not None else {})}
 
     async def _after_checkpoint(self, meta: dict[str, str]) -> None:
         # A checkpoint moves the container's last PID (CRIU): this sandbox goes on from where its forks will.

@@ -48,7 +48,7 @@ _STATE = (
     "no_line_editing",
 )
 _READ, _PSELECT6 = b"0", b"270"  # readline waits in pselect6 before it reads
-_POINTERS = ("trap_list", "ps1_prompt", "ps2_prompt", "ps0_prompt")
+_POINTERS = ("last_asynchronous_pid", "trap_list", "ps1_prompt", "ps2_prompt", "ps0_prompt", "shell_name")
 # bash's trap_list: one pointer per signal (NSIG of glibc: 65), then DEBUG, ERR and RETURN.
 _DEBUG_TRAP, _RETURN_TRAP = 65, 67
 _SIG_IGN = 1
@@ -122,8 +122,11 @@ class BashObserver:
             self._addresses = [base + symbols[name] for name in _STATE]
             self._trap_list = base + symbols["trap_list"]
             self._prompts = [base + symbols[name] for name in ("ps0_prompt", "ps1_prompt", "ps2_prompt")]
+            self._shell_name = base + symbols["shell_name"]
+            self._last_job = base + symbols["last_asynchronous_pid"]
             self._syscall = os.open(f"/proc/{pid}/syscall", os.O_RDONLY | os.O_CLOEXEC)
-            self._io = os.open(f"/proc/{pid}/io", os.O_RDONLY | os.O_CLOEXEC)
+            # The task's own counters: the process's (/proc/<pid>/io) also count what its reaped children read.
+            self._io = os.open(f"/proc/{pid}/task/{pid}/io", os.O_RDONLY | os.O_CLOEXEC)
             self._mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
         except BaseException:
             self.close()
@@ -195,6 +198,14 @@ class BashObserver:
     def prompts(self) -> tuple[bytes, bytes, bytes]:
         """PS0, PS1 and PS2 as bash last read them for a prompt (raw, before their escapes are decoded)."""
         return tuple(self._string(self._pointer(address)) for address in self._prompts)  # type: ignore[return-value]
+
+    def last_job(self) -> int:
+        """``$!``: the PID (in the shell's namespace) of the last job it started in the background."""
+        return self._int(self._last_job)
+
+    def shell_name(self) -> str:
+        """``$0`` as bash uses it for ``\\s`` in prompts (assigning BASH_ARGV0 changes it)."""
+        return self._string(self._pointer(self._shell_name)).decode("utf-8", errors="surrogateescape")
 
     def _int(self, address: int) -> int:
         data = self._read(address, 4)

@@ -10,9 +10,11 @@ has the protocol). Every call's outcome reports ``changed_state=True``: in a per
 
 Snapshots go by the route ``shell_state.choose_route`` picks (counted in ``ShellSandboxFactory.route_counts``):
 
-* **shell state** (bash alone in its namespace): its state is captured by a trap, the old shell ends, the files
-  freeze as usual, and the sandbox goes on in a shell restored from the capture, exactly as every fork of the
-  snapshot will (the restore checks itself against the capture, so the sandbox and its forks cannot differ).
+* **shell state** (bash alone in its namespace): its state is captured by a trap, a shell is restored from the
+  capture beside the live one and checked against it (a capture or a restore that fails declines the snapshot,
+  and the live shell goes on untouched), then the old shell ends, the files freeze as usual, and the sandbox goes
+  on in the restored shell (the checked one when no file changed, else one restored anew), exactly as every fork
+  of the snapshot will: the sandbox and its forks cannot differ.
   The restored shell is a *warm* one when the factory has one ready (``warm``: started ahead, it only takes
   the tree and the state), else a cold one; ``factory.warm_shells = 0`` turns them off;
 * **CRIU** (``criu_route``) when processes live beside the shell (a background server, a REPL, a tmux server),
@@ -26,6 +28,9 @@ Snapshots go by the route ``shell_state.choose_route`` picks (counted in ``Shell
 
 The routes are tried in the order of ``factory.snapshot_routes`` (default ``routes.ROUTES``: shell state, then CRIU);
 narrow it (``(ShellStateRoute(),)``) to never use CRIU. Forks find the route that made a snapshot by its name.
+
+If a shell is ever replaced (a CRIU restore that fails after the dump, a capture that never finished), the
+sandbox is no longer trusted and the next call starts a new shell and says so (``NEW_SHELL_NOTE``).
 
 When the shell ends (``exit``, ``exec false``, a kill), the call returns what it printed and a note, with
 ``is_error`` and ``deterministic=False``. The sandbox is no longer trusted: the *next* call starts a new shell in
@@ -234,10 +239,14 @@ class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
                 self._untrusted = "its shell ended during a failed snapshot"
             factory.count_route(SnapshotRoute.DECLINED)
             raise
-        # The old shell writes through the mount that the freeze turns into a read-only layer: it ends first
-        # (a CRIU dump ended it already), and the sandbox goes on in a shell restored on the new mount, exactly
-        # as the snapshot's forks will.
         assert shell is not None
+        # Shell state: the restore is tried first, on the sandbox's mount beside the live shell (a fresh bash
+        # that only boots), so that a restore that fails declines the snapshot and the live shell goes on
+        # untouched. The old shell then ends (it writes through the mount the freeze turns into a read-only
+        # layer; a CRIU dump ended it already), and the sandbox goes on in a restored shell, exactly as every
+        # fork of the snapshot will: the checked copy itself when the files did not change, else a new one.
+        trial = self._trial_restore(strategy, image) if strategy.route is SnapshotRoute.SHELL_STATE else None
+        upper = self._upper
         shell.close()
         self._shell = None
         try:
@@ -245,24 +254,54 @@ class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
         except SnapshotDeclined:
             # Hard links appeared since the check (a background process): the files stay as they were, and the
             # shell comes back from its capture on the same mount.
-            self._resume(strategy, image)
+            if trial is not None and self._upper is upper:
+                self._shell = trial
+            else:
+                if trial is not None:
+                    trial.close()
+                self._resume(strategy, image)
             factory.count_route(SnapshotRoute.DECLINED)
             raise
         except BaseException:
+            if trial is not None:
+                trial.close()
             strategy.discard(image)
             raise
-        try:
-            self._shell = self._start_shell(image)
-        except SandboxError as error:
-            strategy.discard(image)
-            self._untrusted = f"its shell could not be restored after a snapshot ({error})"
-            self._shell = self._start_shell(None)
-            factory.count_route(SnapshotRoute.DECLINED)
-            raise SnapshotDeclined(f"the restored shell did not match the captured one: {error}") from error
+        if trial is not None and self._upper is upper:
+            self._shell = trial
+        else:
+            if trial is not None:
+                trial.close()
+            try:
+                self._shell = self._start_shell(image)
+            except SandboxError as error:
+                strategy.discard(image)
+                self._replaced(f"its shell could not be restored after a snapshot ({error})")
+                factory.count_route(SnapshotRoute.DECLINED)
+                raise SnapshotDeclined(f"the restored shell did not match the captured one: {error}") from error
         if strategy.route is SnapshotRoute.CRIU:
             self._adopt_reference(image)
         factory.count_route(strategy.route)
         return strategy.route, image, stack, new_bytes + int(image.get("image_bytes", 0))
+
+    def _trial_restore(self, strategy: SnapshotStrategy, image: dict[str, Any]) -> PtyShell:
+        """A shell restored from ``image`` on the current mount and checked against it; SnapshotDeclined (counted)
+        when it cannot be, and the live shell goes on as it was."""
+        try:
+            return self._start_shell(image)
+        except SandboxError as error:
+            strategy.discard(image)
+            self._factory.count_route(SnapshotRoute.DECLINED)
+            raise SnapshotDeclined(
+                f"a shell restored from the capture did not match the live one ({error}); "
+                "not snapshotting this state, the shell goes on untouched"
+            ) from error
+
+    def _replaced(self, why: str) -> None:
+        """The live shell is gone and could not be brought back: the sandbox is no longer trusted, and the next
+        call starts a new shell and says so (``NEW_SHELL_NOTE``)."""
+        self._untrusted = why
+        self._shell = None
 
     def _adopt_reference(self, image: dict[str, Any]) -> None:
         """The state forks of a CRIU snapshot are checked against: this sandbox's own restored copy's, the first
@@ -280,8 +319,7 @@ class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
         try:
             self._shell = self._start_shell(image)
         except SandboxError as error:
-            self._untrusted = f"its shell could not be restored after a declined snapshot ({error})"
-            self._shell = self._start_shell(None)
+            self._replaced(f"its shell could not be restored after a declined snapshot ({error})")
         finally:
             strategy.discard(image)
 

@@ -54,6 +54,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import select
 import signal
 import string
@@ -94,6 +95,7 @@ CAPTURE_SECONDS = 5.0
 MAX_STATE_BYTES = 4 << 20
 _CHUNK = 1 << 16
 _CLOSE_GROUP = "} </dev/null"
+_PROMPT_ROOM = 4096  # what a step keeps beyond the output limit: the prompts it may hold are removed after
 EDITING_NOTE = "\n[line editing (set -o emacs or vi) is not supported in a persistent shell: the shell was ended]\n"
 _FIRST_PAUSE = 0.00002  # between the first looks at a running command's shell; doubled up to _LAST_PAUSE
 _LAST_PAUSE = 0.002
@@ -371,6 +373,10 @@ class PtyShell:
         self._master = terminal.master
         self._mode = terminal.mode
         self._slave_device = terminal.device
+        self._setup_state()
+
+    def _setup_state(self) -> None:
+        """What the driver knows of a shell it has not talked to yet (a subclass with its own terminal calls this)."""
         self._buffer = bytearray()
         self._closed = False
         self._lock = threading.Lock()
@@ -550,11 +556,13 @@ class PtyShell:
         collected = OutputCollector(limit)
         deadline = time.monotonic() + timeout
         before = self._idle
-        step = OutputCollector(limit)
+        step = OutputCollector(limit + _PROMPT_ROOM)
+        at_once = b""  # the PS2 that opens the output of a one-line command typed with its closing line
         try:
             self._reset_terminal()
             late = self._pending_output(collected)
             processes = self._others()
+            last_job = self.observer.last_job()
             # Something wrote between calls, or a job started, ended or wrote since the last call returned.
             background = late or processes != self._others_after
             if not command.strip():  # an empty group is a syntax error; an empty line is nothing to bash
@@ -562,8 +570,24 @@ class PtyShell:
             lines = [f"{{ {line}" if index == 0 else line for index, line in enumerate(command.split("\n"))]
             state: Idle | None = None
             verbose = before is not None and before.verbose
-            for line in [*lines, _CLOSE_GROUP]:
-                step = OutputCollector(limit)
+            prompts = self._fixed_prompts()
+            if len(lines) == 1 and not processes and before is not None and not verbose and prompts is not None:
+                # One line and nothing else in the namespace (no job notice can come first): both lines at once,
+                # one wait instead of two; what bash printed for the terminal's user is told apart afterwards.
+                line = _CLOSE_GROUP
+                typed = f"{lines[0]}\n{_CLOSE_GROUP}\n".encode("utf-8", errors="surrogateescape")
+                at_once = prompts[2]
+                taken = self._type(typed, deadline)
+                state = None if taken is None else self._wait_for_prompt(deadline, step, abandon, taken=taken)
+                if state is not None and not state.continuation:
+                    ps0, _, ps2 = prompts
+                    ps1 = (self._fixed_prompts() or prompts)[1]  # the command may have set it
+                    if ps1 and step.total > len(step.kept):  # cut before its end: the prompt is in the count only
+                        step.total -= len(ps1)
+                    collected.absorb(step, _typed_at_once(bytes(step.kept), state.status, ps0, ps1, ps2))
+                lines = []
+            for line in [*lines, _CLOSE_GROUP] if lines else []:
+                step = OutputCollector(limit + _PROMPT_ROOM)
                 typed = line.encode("utf-8", errors="surrogateescape") + b"\n"
                 taken = self._type(typed, deadline)
                 if taken is None:
@@ -581,11 +605,11 @@ class PtyShell:
                 collected.absorb(step, self._without_continuation_prompt(step, typed if verbose else b""))
                 verbose = state.verbose
             if state is None:
-                collected.absorb(step, bytes(step.kept))
+                collected.absorb(step, _without_prefix(bytes(step.kept), at_once))
                 self._recover()
                 return self._result(collected, None, background=True, timed_out=True)
             if state.continuation:
-                return self._incomplete(collected, command, before, deadline)
+                return self._incomplete(collected, command, before, deadline, processes)
             if state.editing:  # readline now echoes and edits what is typed: not a terminal we can drive exactly
                 collected.add(EDITING_NOTE.encode())
                 self.kill()
@@ -595,23 +619,49 @@ class PtyShell:
                 state = self._take_back_lines(state, 1)
             self._idle = state
             self.lineno, self.status, self.last_command = state.lineno, state.status, command
-            return self._result(collected, state.status, background=self._moved(processes) or background)
+            moved = self._moved(processes)
+            return self._result(collected, state.status, background=moved or background or self._job_ended(last_job))
         except ShellReplaced as replaced:
-            collected.absorb(step, bytes(step.kept))
+            collected.absorb(step, _without_prefix(bytes(step.kept), at_once))
+            ended = not os.path.exists(f"/proc/{self.pid}/exe") or not self.alive  # it exited, not exec'd
+            self._drain_ended(collected)
             self.kill()
             self.close()
-            return self._result(collected, None, background=True, died=True, replaced=str(replaced))
+            return self._result(collected, None, background=True, died=True, replaced=None if ended else str(replaced))
         except ShellGone:
-            collected.absorb(step, bytes(step.kept))  # what the command printed before it ended the shell
+            # What the command printed before it ended the shell.
+            collected.absorb(step, _without_prefix(bytes(step.kept), at_once))
             self.close()
             return self._result(collected, None, background=True, died=True)
+
+    def _prompt_escapes(self) -> dict[str, str]:
+        """The boot's decoding of the fixed escapes, with ``\\s`` from bash's current ``$0``."""
+        return {**self.escapes, "s": os.path.basename(self.observer.shell_name())} if self.escapes else {}
+
+    def _fixed_prompts(self) -> tuple[bytes, bytes, bytes] | None:
+        """PS0, PS1 and PS2 as bash prints them, when all three are fixed (``decode_prompt``), else None."""
+        try:
+            escapes = self._prompt_escapes()
+            decoded = [decode_prompt(raw, escapes) for raw in self.observer.prompts()]
+        except (ShellReplaced, OSError):
+            return None
+        if any(prompt is None for prompt in decoded):
+            return None
+        return decoded[0] or b"", decoded[1] or b"", decoded[2] or b""
+
+    def _drain_ended(self, collected: OutputCollector) -> None:
+        """What a shell that just ended printed last (``printf abc; exit 3``), read until its terminal closes."""
+        with contextlib.suppress(ShellGone, OSError):
+            deadline = time.monotonic() + GRACE_SECONDS
+            while time.monotonic() < deadline and self._read_some(0.05, collected):
+                pass
 
     def _without_continuation_prompt(self, step: OutputCollector, echo: bytes) -> bytes:
         kept = bytes(step.kept)
         if echo and kept.startswith(echo):
             kept = kept[len(echo) :]
         with contextlib.suppress(ShellReplaced, OSError):
-            ps2 = decode_prompt(self.observer.prompts()[2], self.escapes)
+            ps2 = decode_prompt(self.observer.prompts()[2], self._prompt_escapes())
             if ps2 and kept.endswith(ps2):
                 kept = kept[: len(kept) - len(ps2)]
         return kept
@@ -636,7 +686,8 @@ class PtyShell:
             if kept.startswith(echo):
                 kept = command.encode("utf-8", errors="surrogateescape") + b"\n" + kept[len(echo) :]
         with contextlib.suppress(ShellReplaced, OSError):
-            ps0, ps1, _ = (decode_prompt(raw, self.escapes) for raw in self.observer.prompts())
+            escapes = self._prompt_escapes()
+            ps0, ps1, _ = (decode_prompt(raw, escapes) for raw in self.observer.prompts())
             if ps0 and kept.startswith(ps0):
                 kept = kept[len(ps0) :]
             if ps1 and kept.endswith(ps1):
@@ -645,7 +696,14 @@ class PtyShell:
                 step.total -= len(ps1)
         return kept
 
-    def _incomplete(self, collected: OutputCollector, command: str, before: Idle | None, deadline: float) -> PtyResult:
+    def _incomplete(
+        self,
+        collected: OutputCollector,
+        command: str,
+        before: Idle | None,
+        deadline: float,
+        processes: dict[int, tuple[int, bool]],
+    ) -> PtyResult:
         """The command left bash inside an unfinished construct (a quote, a here-document, a compound command):
         nothing of it ran. SIGINT makes bash drop the partial input (a Ctrl-C at its PS2 prompt), and the
         command is evaluated as a string instead: bash's own messages, a here-document ended by the end of the
@@ -665,6 +723,15 @@ class PtyShell:
             collected.absorb(step, bytes(step.kept))
             self._recover()
             return self._result(collected, None, background=True, timed_out=True)
+        # bash 5.2 leaves the parser's last token at the end of the evaluated string: the next line's first word
+        # would not be a reserved word (`{`). An empty line resets it (and is taken back with the others).
+        settled = self._type(b"\n", deadline)
+        after = self._wait_for_prompt(deadline, OutputCollector(0), taken=settled) if settled is not None else None
+        if after is None:
+            collected.absorb(step, bytes(step.kept))
+            self._recover()
+            return self._result(collected, None, background=True, timed_out=True)
+        result = Idle(status=result.status, lineno=after.lineno, continuation=False, verbose=result.verbose)
         kept = self._without_prompts(step, None, None)
         if state.verbose and kept.startswith(line):
             kept = command.encode("utf-8", errors="surrogateescape") + b"\n" + kept[len(line) :]
@@ -672,7 +739,7 @@ class PtyShell:
         result = self._take_back_lines(result, result.lineno - start - command.count("\n") - 1)
         self._idle = result
         self.lineno, self.status, self.last_command = result.lineno, result.status, command
-        return self._result(collected, result.status, background=True)
+        return self._result(collected, result.status, background=self._moved(processes))
 
     def _result(
         self,
@@ -824,10 +891,21 @@ class PtyShell:
         after = self._others_after = self._others()
         if any(pid not in after for pid in before):
             return True
-        for pid, (written, terminal) in after.items():
-            if terminal and written != before.get(pid, (0, True))[0]:
-                return True
-        return False
+        return any(terminal and written != before.get(pid, (0, True))[0] for pid, (written, terminal) in after.items())
+
+    def _job_ended(self, last_job: int) -> bool:
+        """Whether the call started a background job that has already ended: whether bash noted it ("Done")
+        before it waited for the next line depends on timing. (``$!`` is a PID of the shell's namespace, which
+        the host cannot map back; a job that ended leaves fewer processes than it would.)"""
+        if self.observer.last_job() == last_job:
+            return False
+        namespace_pids = set()
+        for pid in self._others_after:
+            with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/status") as handle:
+                for line in handle:
+                    if line.startswith("NSpid:"):
+                        namespace_pids.add(int(line.split()[-1]))
+        return self.observer.last_job() not in namespace_pids
 
     def children(self) -> list[int]:
         """Processes whose parent is the shell; as PID 1 of its namespace it inherits every orphan, so this is
@@ -886,7 +964,31 @@ class PtyShell:
         os.close(self._master)
 
 
+_EXPANDING = {bytes([char]) for char in b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789{(@*#?$!-'\""}
 _FIXED_ESCAPES = {"a": b"\a", "e": b"\x1b", "n": b"\n", "r": b"\r", "\\": b"\\", "[": b"", "]": b""}
+
+
+def _typed_at_once(output: bytes, status: int, ps0: bytes, ps1: bytes, ps2: bytes) -> bytes:
+    """The output of a one-line command typed together with the group's closing line, without what bash printed
+    for the terminal's user: PS2 (it asked for the second line), PS0 and PS1 around the command's own output, or,
+    when the first line was a syntax error, the closing line's own error and the prompts between."""
+    if ps2 and output.startswith(ps2):
+        output = output[len(ps2) :]
+    elif status == 2:  # a syntax error: bash never asked for the closing line, and then refused it too
+        refused = re.search(
+            re.escape(ps1) + rb"[^\n]*: syntax error near unexpected token `}'\n" + re.escape(ps1) + rb"\Z", output
+        )
+        if refused is not None:
+            return output[: refused.start()]
+    if ps0 and output.startswith(ps0):
+        output = output[len(ps0) :]
+    if ps1 and output.endswith(ps1):
+        output = output[: len(output) - len(ps1)]
+    return output
+
+
+def _without_prefix(output: bytes, prefix: bytes) -> bytes:
+    return output[len(prefix) :] if prefix and output.startswith(prefix) else output
 
 
 def _device(path: str) -> int:
@@ -907,6 +1009,9 @@ def decode_prompt(raw: bytes, escapes: Mapping[str, str]) -> bytes | None:
     while index < len(raw):
         byte = raw[index : index + 1]
         index += 1
+        if byte == b"$" and raw[index : index + 1] not in _EXPANDING:
+            out += byte  # a `$` that starts no expansion (`$ ` at the end of a prompt) is printed as it is
+            continue
         if byte in (b"$", b"`", b"!"):
             return None
         if byte != b"\\":

@@ -9,21 +9,29 @@ strategy in order either refuses (saying why) or captures; when every one refuse
 cheaper first.
 
 The shell-state route applies when bash is the only process in its namespace and holds no descriptor besides
-its terminal. It captures (``__tvcache_capture``, run by a trap so no line is typed): ``$?``, ``$_``, the
-positional parameters, the working directory, every variable with its attributes (exported or not, readonly,
-arrays, namerefs) except bash's dynamic ones, functions and their attributes, aliases, ``shopt`` and ``set``
-options, umask, traps, the directory stack, the command hash table and the namespace's last PID. A fork starts
-a fresh shell whose boot script unsets what a fresh shell defines, then declares all of it; typed empty lines
-bring ``$LINENO`` to the same count, and one line sets ``$?`` and ``$_``. The fork then captures its own state
-and compares it with the snapshot's: any difference fails the fork (the cache then rebuilds the state by
-replay), so a fork never runs in a different state.
+its terminal. It captures (``capture``: a trap, so no line is typed, in a format no content can steer, with checks
+from outside that nothing of the user's runs inside it): ``$?``, ``$_``, ``$0``, the positional parameters, the
+working directory (logical, and physical as read from outside), every variable with its attributes except bash's
+dynamic ones, functions and their attributes, aliases, ``shopt`` and ``set`` options, umask, traps, completion
+specs, ``COMP_WORDBREAKS``, the directory stack, the command hash table, the namespace's last PID; and from outside
+the shell: its resource limits and nice value, disabled builtins, where ``getopts`` stands, the files its functions
+came from, and the shape of bash's special variables. A fork starts a fresh shell whose boot script unsets what a
+fresh shell defines, then declares all of it (limits and nice value are set from outside, by ``prlimit`` and
+``setpriority``); typed empty lines bring ``$LINENO`` to the same count, and one line sets ``$?`` and ``$_``. The
+fork then captures its own state and compares it with the snapshot's, section by section: any difference fails
+the fork (the cache then rebuilds the state by replay), so a fork never runs in a different state. The live
+sandbox takes the same path: its restore is tried beside the live shell before that one ends (``persistent``).
 
 What this route cannot carry makes it refuse: other processes (background jobs, coprocs), extra descriptors
-(``exec 3>file``), a finished job bash has not reported or a ``$!`` (both name PIDs of the old namespace),
+(``exec 3>file``), a ``$!`` (it names a PID of the old namespace; a finished job bash has not reported has one),
 DEBUG/RETURN/ERR traps (they would fire on the restore itself), history turned on, functions that read
-``$LINENO`` (bash renumbers a function's lines when it lists it), a removed working directory, files in the
-shell's private tmpfs directories (``/tmp``, ``/dev/shm``, ...: a fresh shell gets empty ones). Not carried, by
-design: ``$RANDOM``'s generator (seeded anew), ``$SECONDS``, the hash table's hit counts, ``\\#`` in PS1.
+``$LINENO`` (bash renumbers a function's lines when it lists it), a function defined in a sourced file (its
+``BASH_SOURCE``), ``getopts`` stopped inside a bundled option (``-abc``), a removed working directory, files in the
+shell's private tmpfs directories (``/tmp``, ``/dev/shm``, ...: a fresh shell gets empty ones), and anything the
+capture's own checks refuse (``capture``). Not carried, by design (``UNCOMPARED`` and what no capture reads):
+``$RANDOM``'s generator (seeded anew), ``$SECONDS`` (counts from the restore), the hash table's hit counts, ``\\#``
+in PS1, ``BASH_SOURCE`` inside a function defined before the snapshot (``/dev/stdin`` or ``/dev/fd/3``, the boot,
+where a plain shell says ``main``), and the line a function was defined at (``declare -F`` under ``extdebug``).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import enum
 import functools
 import os
 import re
-import secrets
+import resource
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -41,7 +49,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ...errors import SandboxError, SnapshotDeclined
-from .pty_shell import DYNAMIC, GRACE_SECONDS, RESET_VARIABLES, PtyShell, ansi_c_quote
+from .capture import OUTSIDE, SECTIONS, CaptureRefused, decode_state
+from .pty_shell import DYNAMIC, FRESH_LINENO, GRACE_SECONDS, RESET_VARIABLES, PtyShell, ansi_c_quote
 from .zygote import Confinement
 
 __all__ = [
@@ -61,7 +70,10 @@ PROMPT_VARIABLES = ("PS0", "PS1", "PROMPT_COMMAND")
 UNSETTABLE_OPTIONS = ("login_shell", "restricted_shell")
 FIRING_TRAPS = ("DEBUG", "RETURN", "ERR")
 MAX_BOOT_BYTES = 100_000  # the boot script travels in an environment variable (128 KiB at most)
-_SECTION = re.compile(r"^@@tvcache:([a-z-]+)@@$", re.MULTILINE)
+# Not compared between a shell and its fork: a restored shell's functions were all defined by its boot (their
+# BASH_SOURCE reads /dev/stdin, a plain shell's "main"); one defined in a sourced file declines the snapshot.
+UNCOMPARED = frozenset({"function-sources"})
+_PLAIN_SOURCES = frozenset({"main", "environment", "/dev/stdin", "/dev/fd/3"})  # a plain shell, a cold boot, a warm one
 _SHOPT_LINE = re.compile(r"^shopt (-[su]) ([a-z0-9_]+)$")
 _SET_LINE = re.compile(r"^set ([-+]o [a-z-]+)$")
 _DECLARATION = re.compile(r"^declare -(\S+) ([A-Za-z_][A-Za-z0-9_]*)(=|$)")
@@ -130,25 +142,24 @@ class SnapshotStrategy(Protocol):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShellState:
-    """A shell's state as ``__tvcache_capture`` printed it, by section."""
+    """A shell's state as ``PtyShell.capture`` returned it (``capture``): the trap's sections and those read from
+    outside the shell, by name."""
 
     sections: Mapping[str, str]
 
     @classmethod
-    def parse(cls, data: bytes) -> ShellState:
-        text = data.decode("utf-8", errors="surrogateescape")
-        marks = list(_SECTION.finditer(text))
-        sections = {}
-        for mark, following in zip(marks, [*marks[1:], None], strict=True):
-            end = following.start() if following is not None else len(text)
-            sections[mark.group(1)] = text[mark.end() + 1 : end]
-        return cls(sections=sections)
+    def parse(cls, data: bytes | str) -> ShellState:
+        try:
+            return cls(sections=decode_state(data))
+        except ValueError as error:
+            raise SandboxError(f"a captured shell state cannot be read ({error})") from error
 
     def lines(self, name: str) -> list[str]:
         return self.sections.get(name, "").splitlines()
 
     def variables(self) -> dict[str, str]:
-        """Declarations by name, without bash's dynamic variables and the protocol's own."""
+        """Declarations by name (``declare -p`` prints one a line: values with newlines are ``$'...'``-quoted),
+        without bash's dynamic variables and the capture's own."""
         found = {}
         for line in self.lines("vars"):
             match = _DECLARATION.match(line)
@@ -156,39 +167,72 @@ class ShellState:
                 found[match.group(2)] = line
         return found
 
+    def physical_cwd(self) -> str | None:
+        """The working directory's physical path (read from outside: ``pwd -P`` would reset bash's idea of a
+        removed one), or None when it was removed."""
+        return self.sections.get("physical-cwd") or None
+
     def canonical(self) -> str:
-        """Everything a later command could observe, in a fixed order: equal for indistinguishable shells."""
-        parts = []
+        """Everything a later command could observe, in a fixed order: equal for indistinguishable shells. Hash
+        tables (aliases, hash) are listed sorted (their own order depends on insertion order); the files the
+        functions were defined in are not compared (``UNCOMPARED``)."""
+        return "\n".join(f"[{name}]\n{body}" for name, body in sorted(self.canonical_sections().items()))
+
+    def canonical_sections(self) -> dict[str, str]:
+        out = {}
         for name in sorted(self.sections):
-            body = "\n".join(self.variables().values()) if name == "vars" else self.sections[name]
-            parts.append(f"[{name}]\n{body}")
-        return "\n".join(parts)
+            if name in UNCOMPARED:
+                continue
+            if name == "vars":
+                body = "\n".join(self.variables().values())
+            elif name == "comp-wordbreaks" and self.sections[name] == "default":
+                # Not set yet: bash's default, with "@" when hostname completion is on (as its shopt sets it).
+                at = "@" if "shopt -s hostcomplete" in self.lines("shopt") else ""
+                body = ansi_c_quote(f" \t\n\"'{at}><=;|&(:")
+            else:
+                body = self.sections[name]
+            out[name] = body
+        return out
 
     def refusal(self) -> str | None:
         """What in this state the shell-state route cannot carry, or None."""
-        if self.lines("jobs"):
-            return f"the shell has jobs ({self.lines('jobs')[0].strip()})"
         if self.lines("last-background") and self.lines("last-background")[0]:
             return "$! names a background process of this shell's PID namespace"
-        cwd = self.lines("cwd")
-        if len(cwd) != 2:
-            return "the working directory cannot be read (removed, or a name with a newline)"
-        for line in self.lines("traps") + self.lines("top-traps"):
-            if line.rsplit(" ", 1)[-1] in FIRING_TRAPS:
-                return f"a {line.rsplit(' ', 1)[-1]} trap would fire on the restore itself"
+        if self.physical_cwd() is None:
+            return "the working directory was removed"
+        firing = self.lines("firing-traps")
+        if firing:
+            return f"a {firing[0]} trap would fire on the restore itself"
         if "set -o history" in self.lines("set"):
             return "command history is on (it holds the protocol's lines)"
         if "LINENO" in self.sections.get("functions", ""):
             return "a function reads $LINENO, which bash renumbers when it lists the function"
-        if not self.lines("status") or not self.lines("last-pid"):
+        if self.sections.get("getopts-bundle") != "0":
+            return "getopts stopped inside a bundled option (-abc): its position cannot be carried"
+        functions = {line.split(" ", 2)[-1] for line in self.lines("function-attributes")}
+        for line in self.lines("function-sources"):
+            name, _, source = line.partition(" ")
+            if name in functions and source not in _PLAIN_SOURCES:
+                return f"the function {name} was defined in {source} (BASH_SOURCE would differ in a restored shell)"
+        missing = [name for name in (*SECTIONS, *OUTSIDE) if name not in self.sections]
+        if missing or not self.lines("status") or not self.lines("last-pid"):
             return "the captured state is incomplete"
         return None
 
     def boot_script(self) -> str:
-        """The script a fresh shell sources at boot to take this state (before the prompt variables)."""
+        """The script a fresh shell sources at boot to take this state (before the prompt variables). What bash
+        lists re-readably (completions, traps, functions) is restored as listed, before any user function or
+        alias exists to shadow the builtins; after the aliases every command is ``\\builtin``."""
+        cwd = self.lines("cwd")[0] if self.lines("cwd") else "''"
+        physical = ansi_c_quote(self.physical_cwd() or "/")
         out = [
             RESET_VARIABLES.rstrip("\n"),
-            f"builtin cd -P -- {ansi_c_quote(self.lines('cwd')[1])} || :",
+            # The logical directory, as the shell had it (a symlinked path stays one); the physical one if that no
+            # longer leads there. The check compares both.
+            f"builtin cd -L -- {cwd} 2>/dev/null || builtin cd -P -- {physical} || :",
+            "builtin complete -r",
+            self.sections.get("complete", "").rstrip("\n"),
+            self.sections.get("traps", "").rstrip("\n"),
         ]
         # Plain `declare`: behind `builtin`, bash would not parse array assignments. No user function or alias
         # exists yet to shadow it (they are restored below).
@@ -197,11 +241,18 @@ class ShellState:
         out += [f"builtin {line}" for line in self.lines("function-attributes") if not line.startswith("declare -f ")]
         out.append(f"builtin umask {self.lines('umask')[0]}" if self.lines("umask") else "")
         out.append("builtin hash -r")
-        out += self.lines("hash")
+        out += [f"builtin hash -p {line}" for line in self.lines("hash")]
         out.append("builtin dirs -c")
-        out += [f"builtin pushd -n -- {ansi_c_quote(entry)} >/dev/null" for entry in reversed(self.lines("dirs")[1:])]
+        out += [f"builtin pushd -n -- {entry} >/dev/null" for entry in reversed(self.lines("dirs"))]
         args = self.lines("args")
         out.append("builtin set -- " + " ".join(args[1:]) if args[1:] else "builtin set --")
+        if self.lines("argv0"):
+            out.append(f"BASH_ARGV0={self.lines('argv0')[0]}")
+        out += [f"builtin alias -- {line}" for line in self.lines("aliases")]
+        # From here on an alias could shadow the first word: every command is quoted.
+        disabled = self.lines("disabled-builtins")
+        if disabled:
+            out.append("\\builtin enable -n " + " ".join(disabled))
         # The compatNN options follow BASH_COMPAT (restored with the variables); setting them would unset it.
         out += _merged_options(
             [
@@ -210,37 +261,90 @@ class ShellState:
                 if line.split()[-1] not in UNSETTABLE_OPTIONS and not line.split()[-1].startswith("compat")
             ]
         )
-        traps = self.lines("traps") + self.lines("top-traps")
-        out += [f"builtin {line}" for line in traps if not line.endswith(" SIGRTMAX")]
         out += _merged_options(self.lines("set"))
-        out += [f"builtin {line}" for line in self.lines("aliases")]
+        # Last: `shopt -s/-u hostcomplete` rewrites the word breaks (it adds or removes "@").
+        breaks = self.sections.get("comp-wordbreaks", "default")
+        if breaks == "unset":
+            out.append("\\builtin unset -v COMP_WORDBREAKS")
+        elif breaks != "default":
+            out.append(f"COMP_WORDBREAKS={breaks}")
         return "\n".join(line for line in out if line) + "\n"
 
     def prompt_script(self) -> str:
         variables = self.variables()
         return "\n".join(f"builtin {variables[name]}" for name in PROMPT_VARIABLES if name in variables)
 
+    def apply_process_state(self, pid: int) -> None:
+        """Give process ``pid`` (a fresh shell) this state's resource limits and nice value, from outside (bash's
+        ``ulimit`` counts in blocks that depend on its POSIX mode; ``prlimit`` takes the kernel's own values)."""
+        wanted = _limits(self.sections.get("limits", ""))
+        with open(f"/proc/{pid}/limits") as handle:
+            current = _limits(handle.read())
+        for name, values in wanted.items():
+            if current.get(name) != values and name in _RESOURCES:
+                resource.prlimit(pid, _RESOURCES[name], values)
+        nice = self.sections.get("nice", "0").strip()
+        if nice.lstrip("-").isdigit() and os.getpriority(os.PRIO_PROCESS, pid) != int(nice):
+            os.setpriority(os.PRIO_PROCESS, pid, int(nice))
+
+
+def _limits(text: str) -> dict[str, tuple[int, int]]:
+    """``/proc/<pid>/limits`` rows by name: (soft, hard), RLIM_INFINITY for "unlimited"."""
+    found = {}
+    for line in text.splitlines()[1:]:
+        name, soft, hard = line[:26].strip(), line[26:47].strip(), line[47:68].strip()
+        values = [resource.RLIM_INFINITY if value == "unlimited" else int(value) for value in (soft, hard)]
+        found[name] = (values[0], values[1])
+    return found
+
+
+# The rows of /proc/<pid>/limits, in the order of Linux's RLIMIT_* numbers (Python's resource module lacks some).
+_RESOURCES = {
+    name: number
+    for number, name in enumerate(
+        (
+            "Max cpu time",
+            "Max file size",
+            "Max data size",
+            "Max stack size",
+            "Max core file size",
+            "Max resident set",
+            "Max processes",
+            "Max open files",
+            "Max locked memory",
+            "Max address space",
+            "Max file locks",
+            "Max pending signals",
+            "Max msgqueue size",
+            "Max nice priority",
+            "Max realtime priority",
+            "Max realtime timeout",
+        )
+    )
+}
+
 
 def _merged_options(lines: list[str]) -> list[str]:
-    """``shopt -s a``/``set +o b`` lines as ``builtin`` commands, consecutive ones merged into one command
-    (``shopt -s a c``, ``set +o b -o d``): each builtin sets its options in the order given, as the lines would,
-    and a boot of fewer commands is quicker for bash to run. A line of another shape stays a command of its own."""
+    """``shopt -s a``/``set +o b`` lines as ``\\builtin`` commands (quoted: they follow the aliases), consecutive
+    ones merged into one command (``shopt -s a c``, ``set +o b -o d``): each builtin sets its options in the order
+    given, as the lines would, and a boot of fewer commands is quicker for bash to run. A line of another shape
+    stays a command of its own."""
     out: list[str] = []
     merged = ""  # the command being extended: "shopt -s", "shopt -u" or "set", with its names
     for line in lines:
         shopt, toggle = _SHOPT_LINE.match(line), _SET_LINE.match(line)
         verb = f"shopt {shopt.group(1)}" if shopt else "set" if toggle else None
         if merged and (verb is None or not merged.startswith(verb + " ")):
-            out.append(f"builtin {merged}")
+            out.append(f"\\builtin {merged}")
             merged = ""
         if shopt:
             merged = (merged or verb or "") + f" {shopt.group(2)}"
         elif toggle:
             merged = (merged or "set") + f" {toggle.group(1)}"
         else:
-            out.append(f"builtin {line}")
+            out.append(f"\\builtin {line}")
     if merged:
-        out.append(f"builtin {merged}")
+        out.append(f"\\builtin {merged}")
     return out
 
 
@@ -299,9 +403,10 @@ class ShellStateRoute:
         return None
 
     def capture(self, shell: PtyShell, place: SnapshotPlace) -> dict[str, Any]:
-        data = shell.capture()
-        if data is None:
-            raise SnapshotDeclined("the shell did not answer the state capture (its SIGRTMAX trap was changed)")
+        try:
+            data = shell.capture_state()
+        except CaptureRefused as refused:
+            raise SnapshotDeclined(f"the shell's state cannot be captured: {refused}") from None
         state = ShellState.parse(data)
         reason = state.refusal()
         if reason is not None:
@@ -322,11 +427,15 @@ class ShellStateRoute:
 
     def restore(self, launch: ShellLaunch, image: Mapping[str, Any]) -> PtyShell:
         boot = str(image["boot"])
-        if int(image["lineno"]) < 1:
+        if int(image["lineno"]) <= FRESH_LINENO:
             # No line was typed yet, so none may be typed now: the prompt variables come with the boot instead.
             boot += str(image.get("prompt", "")) + "\n"
         shell = launch.fresh(boot, image.get("last_pid"))
         try:
+            try:
+                _state(image).apply_process_state(shell.pid)
+            except OSError as error:
+                raise SandboxError(f"cannot give the restored shell its limits and nice value: {error}") from error
             _synchronise(shell, image)
             verify(shell, image)
         except BaseException:
@@ -339,52 +448,72 @@ class ShellStateRoute:
 
 
 def verify(
-    shell: PtyShell, image: Mapping[str, Any], moved_on: Callable[[ShellState, ShellState], bool] | None = None
+    shell: PtyShell,
+    image: Mapping[str, Any],
+    moved_on: Callable[[ShellState, ShellState], bool] | None = None,
+    *,
+    fresh: bool = True,
 ) -> ShellState:
     """The restored shell answers a state capture, and the state equals the snapshot's (or, with ``moved_on``,
-    differs only as that allows); the state it captured, or SandboxError."""
-    data = shell.capture()
-    if data is None:
+    differs only as that allows); the state it captured, or SandboxError naming what differs. ``fresh``: the shell
+    ran only its boot (a shell-state restore), so the capture's checks against a user's code are skipped; a CRIU
+    restore brings back processes of the user's, and passes False."""
+    try:
+        data = shell.capture_state(checked=not fresh)
+    except CaptureRefused as refused:
         raise SandboxError(
-            "the restored shell did not answer the state capture; rebuilding the state by replay instead"
-        )
+            f"the restored shell's state cannot be captured ({refused}); rebuilding the state by replay instead"
+        ) from None
     actual = ShellState.parse(data)
-    if actual.canonical() != _canonical(str(image["state"])) and (
-        moved_on is None or not moved_on(ShellState.parse(_encoded(str(image["state"]))), actual)
-    ):
+    expected = _state(image)
+    if actual.canonical() != _canonical(str(image["state"])) and (moved_on is None or not moved_on(expected, actual)):
+        theirs, ours = expected.canonical_sections(), actual.canonical_sections()
+        differ = sorted(name for name in {*theirs, *ours} if theirs.get(name) != ours.get(name))
         raise SandboxError(
-            "the restored shell's state differs from the snapshot's; rebuilding the state by replay instead"
+            f"the restored shell's state differs from the snapshot's ({', '.join(differ)}); "
+            "rebuilding the state by replay instead"
         )
     return actual
 
 
-def _encoded(state: str) -> bytes:
-    return state.encode("utf-8", errors="surrogateescape")
+def _state(image: Mapping[str, Any]) -> ShellState:
+    return _parsed(str(image["state"]))
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(state: str) -> ShellState:
+    return ShellState.parse(state)
 
 
 @functools.lru_cache(maxsize=8)
 def _canonical(state: str) -> str:
     """The canonical form of a snapshot's captured state, kept for the next fork of the same snapshot."""
-    return ShellState.parse(_encoded(state)).canonical()
+    return _parsed(state).canonical()
 
 
 def _synchronise(shell: PtyShell, image: Mapping[str, Any]) -> None:
     """Type empty lines until the next line gets the snapshot's line number, then one line that restores the
-    prompt variables and leaves ``$?`` and ``$_`` as they were."""
+    prompt variables and leaves ``$?``, ``$_`` and ``PIPESTATUS`` as they were (a ``source`` that returns the
+    status, with ``$_`` as its last argument; a pipeline of subshells when PIPESTATUS had several members).
+    Every line is read by bash before the next is typed, and the state it then waits in is checked."""
     lineno = int(image["lineno"])
-    if lineno < 1:
-        return
-    sentinel = secrets.token_hex(16)
-    prompt = ansi_c_quote(str(image.get("prompt", "")))
-    line = (
-        "\n" * (lineno - 1)
-        + f"source /dev/stdin <<< {prompt}; "
-        + f"{{ __tvcache_end {sentinel} $LINENO {int(image['status'])} {image['underscore']}; }} 2>/dev/null\n"
-    )
-    numbers = shell.synchronise(line, sentinel, time.monotonic() + GRACE_SECONDS + lineno * 1e-4)
-    if numbers != (lineno, int(image["status"])):
-        raise SandboxError(f"the restored shell reached line {numbers} instead of {lineno}; rebuilding by replay")
-    shell.lineno, shell.status = numbers
+    if lineno <= shell.lineno:
+        return  # no line was typed after the boot (``restore`` gave the prompt variables to the boot)
+    status = int(image["status"])
+    prompt = str(image.get("prompt", ""))
+    pipestatus = [int(value) for value in image.get("pipestatus", [])]
+    if len(pipestatus) > 1:
+        tail = f". /dev/stdin <<< {ansi_c_quote(prompt)}; : {image['underscore']}; " + " | ".join(
+            f"(exit {value})" for value in pipestatus
+        )
+    else:
+        tail = f". /dev/stdin {image['underscore']} <<< {ansi_c_quote(prompt + chr(10) + f'return {status}')}"
+    padding = lineno - shell.lineno - 1
+    deadline = time.monotonic() + GRACE_SECONDS + lineno * 1e-4
+    state = shell.synchronise("\n" * padding + tail + "\n", deadline)
+    if state is None or (state.lineno, state.status) != (lineno, status):
+        reached = None if state is None else (state.lineno, state.status)
+        raise SandboxError(f"the restored shell reached (line, status) {reached} instead of {(lineno, status)}")
 
 
 def choose_route(

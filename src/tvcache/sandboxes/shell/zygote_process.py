@@ -264,6 +264,12 @@ class Confiner:
         ``/proc/<pid>/root`` links lead into their (writable) mount namespace."""
         if os.path.isdir("/proc"):
             linux.mount("proc", "/proc", "proc", PROC_FLAGS)
+            # This process becomes the command (bash, for a persistent shell): its memory is the ground truth the
+            # driver reads (``bash_observer``), so nothing inside may write it through /proc. Its own environ,
+            # read-only, takes the place of its memory file.
+            for path in ("/proc/1/mem", "/proc/1/task/1/mem"):
+                linux.mount("/proc/1/environ", path, None, linux.MS_BIND)
+                linux.mount(None, path, None, linux.MS_BIND | linux.MS_REMOUNT | linux.MS_RDONLY)
 
     def minimal_dev(self) -> None:
         """A /dev holding only harmless devices: no disk of the host can be opened from inside."""
