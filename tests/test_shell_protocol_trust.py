@@ -95,3 +95,35 @@ def test_exec_of_another_program_ends_the_call_and_untrusts_the_sandbox(tmp_path
 def test_prompts_decode_only_when_fixed(raw: bytes, decoded: bytes | None) -> None:
     escapes = {"s": "bash", "v": "5.2", "$": "#", "u": "root", "h": "box"}
     assert decode_prompt(raw, escapes) == decoded
+
+
+@pytest.mark.parametrize("last", ["false | true", "true | false | true", "echo a b", "(exit 3)"])
+def test_a_fork_shows_the_pipestatus_status_and_underscore_of_its_origin(tmp_path: Path, last: str) -> None:
+    """Item 6 across a fork (shell-state route): ``PIPESTATUS``, ``$?`` and ``$_`` as the origin's next command
+    sees them, and the namespace's next PID too (the pipeline that restores PIPESTATUS is paid for)."""
+    factory = factory_for(tmp_path)
+    observe = 'echo "${PIPESTATUS[*]} | $? | $_"; sleep 0 & echo $!'
+
+    async def main() -> tuple[str, str, str]:
+        live = await factory.start()
+        try:
+            await live.execute(sh("X=1"))
+            await live.execute(sh(last))
+            snapshot = await live.snapshot(tmp_path / "snap")
+            fork = await factory.fork(snapshot)
+            try:
+                forked = (await fork.execute(sh(observe))).output
+            finally:
+                await fork.stop()
+            truth = (await live.execute(sh(observe))).output
+            factory.discard(snapshot)
+            return snapshot.meta["route"], truth, forked
+        finally:
+            await live.stop()
+
+    try:
+        route, truth, forked = asyncio.run(main())
+    finally:
+        factory.close()
+    assert route == "shell-state"
+    assert forked.splitlines()[:2] == truth.splitlines()[:2]

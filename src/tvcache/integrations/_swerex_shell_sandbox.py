@@ -7,32 +7,39 @@ graph, where snapshots carry the shell's state (working directory, variables, fu
 divergent rollout forks the snapshot nearest its divergence instead of replaying its prefix. This module holds
 the sandbox those requests run in.
 
-How each request maps onto the sandbox (one ``sh`` call each; ``SweRexShellSandbox`` does the mapping):
+How each request maps onto the sandbox (``SweRexShellSandbox`` does the mapping). The rule: type into the shell
+what SWE-ReX 1.4's ``BashSession`` types, and read the answer as it reads its terminal.
 
-* ``create_session`` sources the request's ``startup_source`` files in the shell. A sandbox has one shell, so a
-  runtime has one bash session at a time: a second session, or a new one after ``close_session``, is refused
-  with ``InvalidToolCall`` (use one deployment per session). Session names are checked as SWE-ReX does
-  (``SessionExistsError``, ``SessionDoesNotExistError``), before anything runs.
-* ``run_in_session(BashAction)`` first checks the syntax with ``bash -n`` on the host, as SWE-ReX does
-  (``BashIncorrectSyntaxError``), then types the command followed by SWE-ReX's own exit-code probe (``echo
-  EXITCODESTART$?EXITCODEEND``), so ``$?`` afterwards is 0 as in SWE-ReX; ``check="ignore"`` leaves ``$?`` as
-  the command set it and reports no exit code. Output is stripped of ANSI escapes as SWE-ReX strips it;
-  ``check="raise"`` raises ``NonZeroExitCodeError`` with SWE-ReX's message, a timeout ``CommandTimeoutError``
-  (the shell interrupts the command and lives on; never cached). An output cut by the sandbox's
-  ``max_output_bytes`` or a shell that ended loses the exit code: ``NoExitCodeError`` under ``check="raise"``,
-  else ``exit_code=None`` with a ``failure_reason``. Interrupts answer at once (a command never outlives its
-  call here); interactive commands and ``expect`` patterns are refused (they depend on timing).
+* ``create_session`` types the request's ``startup_source`` files (``source`` each, unquoted) and BashSession's
+  prompt settings (``export PS1='SHELLPS1PREFIX'``, ``PS2``, ``PS0``: a command sees them as there; the shell
+  never prints prompts into an output). A start that outlasts ``startup_timeout`` (BashSession's ``sleep 0.3``
+  counted) raises pexpect's ``TIMEOUT`` as there, not cached, while the sources run on (within the factory's
+  ``timeout``); what they printed heads the next command's output, as in SWE-ReX. A sandbox has one shell, so
+  a runtime has one bash session: a second, or a new one after ``close_session``, is refused with
+  ``InvalidToolCall``. Session names are checked as SWE-ReX does (``SessionExistsError``,
+  ``SessionDoesNotExistError``), before anything runs.
+* ``run_in_session(BashAction)`` checks the syntax with the host's ``bash -n`` (``BashIncorrectSyntaxError``),
+  then types what BashSession types (``typed_command``): the command split by bashlex and rejoined with ``" ;
+  "`` (a here-document's body is lost, ``cmd &`` before another command becomes a syntax error), or, for a
+  command bashlex cannot parse, the command and BashSession's terminator line, whose string is then the
+  answer's ``expect_string``. Text that leaves bash reading (a here-document the split cut off) raises
+  ``CommandTimeoutError`` at once, as SWE-ReX's wait ends. The output ends where an end marker typed after the
+  text starts (a subshell that exits with the command's status, so ``$?`` and ``$_`` stay as the command left
+  them); unless ``check="ignore"``, BashSession's exit-code probe (``echo EXITCODESTART$?EXITCODEEND``) follows
+  as a call of its own and is read as SWE-ReX reads it (SWE-ReX's strings removed from the output; ``$?`` 0 and
+  ``$_`` the probe's afterwards). ``check="raise"`` raises ``NonZeroExitCodeError`` or ``NoExitCodeError`` with
+  SWE-ReX's messages; a timeout raises ``CommandTimeoutError`` (the command is interrupted, the shell lives
+  on; never cached); a shell that ended (``exit``) raises pexpect's ``EOF``, then and for every later command.
+  Interrupts answer at once; interactive commands and ``expect`` patterns are refused (they depend on timing).
 * ``execute``, ``read_file``, ``write_file`` and ``upload`` run in a fresh bash started from the session's
   shell with an empty environment (``exec -c``), so they see the session's files (its private ``/tmp`` too) but
-  none of its variables, functions, aliases, options or umask, and leave its ``$?`` as it was; ``execute``
-  gets the sandbox's environment (or ``env``), relative paths and ``cwd=None`` mean the sandbox's tree (``/``
-  for a root filesystem), as a runtime started there would see them. Errors are the ones Python raises in
-  SWE-ReX's ``LocalRuntime`` (``FileNotFoundError``, ``IsADirectoryError``, ``FileExistsError``, ...).
+  none of its variables, functions, aliases, options or umask, and leave its ``$?`` and ``$_`` as they were;
+  ``execute`` gets the sandbox's environment (or ``env``), relative paths and ``cwd=None`` mean the sandbox's
+  tree (``/`` for a root filesystem), as a runtime started there would see them. Errors are the ones Python
+  raises in SWE-ReX's ``LocalRuntime`` (``FileNotFoundError``, ``IsADirectoryError``, ``FileExistsError``, ...).
 
-Not exactly as in a SWE-ReX ``LocalRuntime`` (documented in docs/harnesses.md): ``$LINENO`` and ``$_``
-(every request moves them, as typed lines do), ``PS1``/``PS2``/``PS0`` (the protocol keeps them empty),
-undecodable output bytes (replaced, not backslash-escaped), and a killed ``execute`` program's code (128+N, as
-a shell reports it). Every request counts as state-changing, reads included: each moves ``$LINENO``.
+What still differs from a ``LocalRuntime``, each with the test that pins it: docs/harnesses.md (SWE-ReX). Every
+request counts as state-changing, reads included: each moves the shell's ``$LINENO``.
 """
 
 from __future__ import annotations
@@ -48,12 +55,14 @@ import re
 import shlex
 import shutil
 import tarfile
+import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..calls import ToolCall, ToolSpec
-from ..errors import InvalidToolCall, SandboxError, UnknownTool
+from ..errors import InvalidToolCall, SandboxError, SnapshotDeclined, UnknownTool
 from ..protocol import Outcome, Snapshot
 from ..sandboxes.shell.process import FIXED_PATH
 from ..sandboxes.shell.sandbox import ShellSandboxFactory
@@ -62,27 +71,43 @@ from .optional_imports import require
 __all__ = [
     "PS1",
     "SHELL_KIND",
+    "UNIQUE",
     "SweRexShellFactory",
     "SweRexShellSandbox",
+    "TypedCommand",
     "answer",
     "keep_upload",
     "shell_tool_specs",
     "tree_digest",
+    "typed_command",
 ]
 
 SHELL_KIND = "swe-rex-shell"
-PS1 = "SHELLPS1PREFIX"  # what SWE-ReX's BashSession reports as the matched expect string of a command
+PS1 = "SHELLPS1PREFIX"  # SWE-ReX's BashSession prompt: the expect string of a command it could split
+UNIQUE = "UNIQUESTRING29234"  # its terminator after a command bashlex cannot parse: that command's expect string
 _TOOLS = ("create_session", "run_in_session", "execute", "read_file", "write_file", "upload")
 _ANSI = re.compile(r"\x1B[@-_][0-?]*[ -/]*[@-~]")  # SWE-ReX's own _strip_control_chars
-_PROBE = "\n\necho EXITCODESTART$?EXITCODEEND"  # the blank line ends a trailing backslash continuation first
-_PROBED = re.compile(r"EXITCODESTART([0-9]+)EXITCODEEND\n\Z")
+# What BashSession types besides the user's text: its prompt settings after the startup sources (and a `sleep
+# 0.3`, counted here, not slept); the terminator line after a command bashlex cannot parse; the exit-code probe
+# after each command unless check="ignore", answered within a second.
+_PROMPT_SETTINGS = (f"export PS1='{PS1}'", "export PS2=''", "export PS0=''")
+_STARTUP_PAUSE = 0.3
+_TERMINATOR = f"\n TMPEXITCODE=$? ; sleep 0.1; echo -n '{UNIQUE}' ; (exit $TMPEXITCODE)"
+_EXIT_PROBE = "echo EXITCODESTART$?EXITCODEEND"
+_PROBE_SECONDS = 1.0
+# What `bash -n` says of text an interactive bash would go on reading (it waits for the rest of the command).
+_OPEN_INPUT = ("delimited by end-of-file", "unexpected end of file", "unexpected EOF while looking for matching")
 _END = "\n@@tvcache-swerex-end@@\n"
-# check="ignore": a marker, then the command's status given back (`let` and `&& :` keep errexit from firing).
+# After the typed text, on lines of its own: a marker printed by a subshell that exits with the command's status,
+# so the output ends exactly where the marker starts and `$?` and `$_` stay as the command left them; `&&` keeps
+# errexit from firing, and the stderr redirections keep `set -x` traces of these lines out of the output.
 _MARK = (
-    "\n\n\\builtin eval \"\\builtin printf '\\n@@%s@@\\n' tvcache-swerex-end; "
-    '\\builtin let $?==0 || (\\builtin exit $?) && :"'
+    "\n\n( __tvcache_status=$?; \\builtin printf '\\n@@%s@@\\n' tvcache-swerex-end; "
+    '\\builtin exit "$__tvcache_status" ) 2>/dev/null && { (( 1 )); } 2>/dev/null'
 )
-_NOTES = re.compile(r"(\[exit code \d+\]|\[killed by signal \d+\])?\Z")
+_MARK_ECHO = "\n" + _MARK.lstrip("\n") + "\n"  # what `set -v` echoes of it
+_SHELL_ENDED = "[the shell ended"  # the sandbox's note when bash is gone
+_NOTES = re.compile(r"(\[exit code \d+\]|\[killed by signal \d+\]|\[timed out after [^\]]*s\])?\Z")
 _TIMED_OUT = re.compile(r"\[timed out after [^\]]*s\]\Z")
 
 # The helper every non-session request runs in, started by `exec -c` (an empty environment) from a subshell of the
@@ -252,6 +277,8 @@ class SweRexShellSandbox:
         path = shell.environment.get("PATH", FIXED_PATH)
         self._helper_script = shlex.quote(f"PATH={shlex.quote(path)}\n{_HELPER}")  # its own tools; exec -c cleared PATH
         self._bash = shlex.quote(shell.bash)
+        self._pending = ""  # what a start past its startup_timeout printed: SWE-ReX gives it to the next command
+        self._ended = ""  # why the session's shell is gone (it ran `exit`): later commands raise pexpect's EOF
         self._handlers: dict[str, Callable[[dict[str, Any]], Awaitable[tuple[dict[str, Any], bool]]]] = {
             "create_session": self._create_session,
             "run_in_session": self._run_in_session,
@@ -271,6 +298,8 @@ class SweRexShellSandbox:
         )
 
     async def snapshot(self, dest: Path) -> Snapshot:
+        if self._pending:
+            raise SnapshotDeclined("the session's start timed out: its output waits for the next command")
         inner = await self.inner.snapshot(dest)
         return Snapshot(kind=SHELL_KIND, path=inner.path, bytes=inner.bytes, meta=inner.meta)
 
@@ -295,55 +324,111 @@ class SweRexShellSandbox:
         return outcome
 
     async def _create_session(self, request: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Typed as BashSession types it: the sources (unquoted), then its prompt settings. Past
+        ``startup_timeout`` (its `sleep 0.3` counted) SWE-ReX raises pexpect's TIMEOUT while the sources run on,
+        and their output heads the next command's: so here, within the shell factory's timeout."""
         abstract = require("swerex.runtime.abstract", "swe-rex")
-        sources = request["startup_source"]
-        # Typed as SWE-ReX types them (unquoted). SWE-ReX types a line at every session start (its prompt
-        # settings), and so do we: `:` without sources (a snapshot of a shell that never ran a line is declined).
-        command = " ; ".join(f"source {path}" for path in sources) or ":"
-        outcome = await self._sh(command + _MARK, request["startup_timeout"])
-        if _TIMED_OUT.search(outcome.output):
-            exceptions = require("swerex.exceptions", "swe-rex")
-            message = f"timeout after {request['startup_timeout']} seconds while sourcing {sources!r}"
-            return _error(exceptions.CommandTimeoutError, message), False
-        output, _ = _split_marked(outcome.output)
-        return _response(abstract.CreateBashSessionResponse(output=_strip(output))), outcome.deterministic
+        sources, limit = request["startup_source"], request["startup_timeout"]
+        command = " ; ".join([*(f"source {path}" for path in sources), *_PROMPT_SETTINGS])
+        started = time.monotonic()
+        outcome = await self._sh(command, max(limit, self._factory.shell.timeout))
+        elapsed = time.monotonic() - started + (_STARTUP_PAUSE if sources else 0.0)
+        output = _strip(_NOTES.sub("", outcome.output))
+        if _SHELL_ENDED in output:
+            return self._end(output), outcome.deterministic
+        if elapsed > limit or _TIMED_OUT.search(outcome.output):
+            self._pending = output
+            message = (
+                f"Timeout exceeded: the session's start (sourcing {sources!r}) took {elapsed:.2f} s, more than "
+                f"startup_timeout={limit} s; the sources ran on, and their output heads the next command's"
+            )
+            return _error(require("pexpect", "swe-rex").TIMEOUT, message), False
+        return _response(abstract.CreateBashSessionResponse(output=output)), outcome.deterministic
 
     async def _run_in_session(self, action: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        abstract = require("swerex.runtime.abstract", "swe-rex")
+        """What BashSession._run_normal does, step by step: the syntax check, the text it types (``typed``), the
+        string it waits for, then (unless check="ignore") the exit-code probe on a line of its own."""
         exceptions = require("swerex.exceptions", "swe-rex")
-        command, check = action["command"], action["check"]
+        command = action["command"]
         if "\x00" in command:
             return _error(ValueError, "embedded null byte"), True
-        syntax = await _check_syntax(command)
-        if syntax is not None:
-            return syntax, True
-        outcome = await self._sh(command + (_MARK if check == "ignore" else _PROBE), action["timeout"])
-        text = outcome.output
-        if _TIMED_OUT.search(text) and not outcome.deterministic:
-            message = f"timeout after {action['timeout']} seconds while running command {command!r}"
-            return _error(exceptions.CommandTimeoutError, message), False
-        exit_code: int | None = None
-        if check == "ignore":
-            output, found = _split_marked(text)
-        else:
-            probed = _PROBED.search(text)
-            found = probed is not None
-            output = text[: probed.start()] if probed is not None else text
-            exit_code = int(probed.group(1)) if probed is not None else None
-        output = _strip(output)
-        reason = "" if found else _failure_reason(text)
-        if check == "raise" and not found:
-            message = f"failed to parse exit code from output {text[-200:]!r} (command: {command!r}): {reason}"
-            return _error(exceptions.NoExitCodeError, message), outcome.deterministic
-        if check == "raise" and exit_code != 0:
-            message = f"Command {command!r} failed with exit code {exit_code}. Here is the output:\n{output!r}"
+        if self._ended:
+            return _error(require("pexpect", "swe-rex").EOF, self._ended), True
+        code, stdout, stderr = await _bash_parse(command)
+        if code != 0:
+            return _syntax_error(command, code, stdout, stderr), True
+        typed = typed_command(command)
+        if typed.expect == PS1 and typed.text != command.strip():
+            stderr = (await _bash_parse(typed.text))[2]  # the split and rejoined text, as bash will read it
+        timeout = f"timeout after {action['timeout']} seconds while running command {typed.text!r}"
+        if _waits_for_input(typed.text, stderr):  # SWE-ReX waits for a prompt bash never prints
+            return _error(exceptions.CommandTimeoutError, timeout), True
+        output, deterministic = self._take_pending(), True
+        if typed.text:  # an empty line runs nothing: SWE-ReX gets its prompt back at once
+            outcome = await self._sh(typed.text + _MARK, action["timeout"])
+            deterministic = outcome.deterministic
+            if _TIMED_OUT.search(outcome.output) and not deterministic:
+                return _error(exceptions.CommandTimeoutError, timeout), False
+            text, marked = _split_marked(outcome.output)
+            if _SHELL_ENDED in text:
+                return self._end(text), deterministic
+            if typed.expect == UNIQUE and UNIQUE not in text and marked:  # it kept the terminator off the terminal
+                return _error(exceptions.CommandTimeoutError, timeout), deterministic
+            if typed.expect == UNIQUE and action["check"] == "ignore":  # SWE-ReX stops at the terminator
+                text = text.split(UNIQUE, 1)[0]
+            output += _strip(text if marked else _NOTES.sub("", text)).replace(_MARK_ECHO, "")
+        if action["check"] == "ignore":
+            return _response(_observation(output=output, expect_string=typed.expect)), deterministic
+        probed = await self._probe(typed.text, output)
+        return self._checked(action, typed, probed), deterministic and probed.deterministic
+
+    def _checked(self, action: dict[str, Any], typed: TypedCommand, probed: _Probed) -> dict[str, Any]:
+        """The answer to a command whose exit code was probed, as check="silent" or "raise" makes it."""
+        exceptions = require("swerex.exceptions", "swe-rex")
+        if probed.exit_code is None:
+            if action["check"] == "raise":
+                return _error(exceptions.NoExitCodeError, probed.error)
+            return _response(_observation(output=probed.output, expect_string=typed.expect))
+        if action["check"] == "raise" and probed.exit_code != 0:
+            message = (
+                f"Command {action['command']!r} failed with exit code {probed.exit_code}. Here is the output:\n"
+                f"{probed.output!r}"
+            )
             if action["error_msg"]:
                 message = f"{action['error_msg']}: {message}"
-            return _error(exceptions.NonZeroExitCodeError, message), outcome.deterministic
-        observation = abstract.BashObservation(
-            output=output, exit_code=exit_code, failure_reason=reason, expect_string=PS1 if found else ""
+            return _error(exceptions.NonZeroExitCodeError, message)
+        observation = _observation(output=probed.output, exit_code=probed.exit_code, expect_string=typed.expect)
+        return _response(observation)
+
+    def _end(self, text: str) -> dict[str, Any]:
+        """The session's shell ended (``exit``): SWE-ReX's pexpect raises EOF, now and for every later command."""
+        how = re.search(r"\[the shell ended([^;\]]*)", text)
+        self._ended = (
+            f"End Of File (EOF): the session's shell ended{how.group(1) if how else ''}; as in SWE-ReX, the "
+            "session is gone (start a new deployment for a new one)"
         )
-        return _response(observation), outcome.deterministic
+        return _error(require("pexpect", "swe-rex").EOF, self._ended)
+
+    async def _probe(self, typed: str, output: str) -> _Probed:
+        """BashSession's exit-code probe, typed as its own line as SWE-ReX types it (so ``$?``, ``$_`` and the
+        user's own ``echo`` play as there), and its answer read as SWE-ReX reads it: ``output`` completed by what
+        came before the probe's answer, with SWE-ReX's prompt and terminator strings removed."""
+        outcome = await self._sh(_EXIT_PROBE, _PROBE_SECONDS)
+        text = _strip(outcome.output)
+        end = text.find("EXITCODEEND")
+        if _TIMED_OUT.search(text) or end < 0:
+            return _Probed(output=output, error="timeout while getting exit code", deterministic=outcome.deterministic)
+        raw = text[:end]
+        codes = re.findall("EXITCODESTART([0-9]+)", raw)
+        if len(codes) != 1:
+            error = f"failed to parse exit code from output {raw!r} (command: {typed!r}, matches: {codes})"
+            return _Probed(output=output, error=error, deterministic=outcome.deterministic)
+        output = (output + raw.split("EXITCODESTART")[0]).replace(UNIQUE, "").replace(PS1, "")
+        return _Probed(output=output, exit_code=int(codes[0]), deterministic=outcome.deterministic)
+
+    def _take_pending(self) -> str:
+        pending, self._pending = self._pending, ""
+        return pending
 
     # ---------------------------------------------------- requests beside it
 
@@ -354,11 +439,11 @@ class SweRexShellSandbox:
             return None, None
         quoted = " ".join(shlex.quote(arg) for arg in (operation, self._root, *args))
         stdin = f"<<< {base64.b64encode(data).decode()}" if data is not None else "</dev/null"
+        # In a subshell that exits with the session's status: its `$?` and `$_` stay as they were (see _MARK).
         command = (
-            '\\builtin set -- "$?" "$@"; '
+            "( __tvcache_status=$?; "
             f"( \\builtin exec -c {self._bash} --norc --noprofile -c {self._helper_script} tvcache {quoted} ) "
-            f"{stdin} || :; "
-            '\\builtin eval "\\builtin shift; \\builtin let $1==0 || (\\builtin exit $1) && :"'
+            f'{stdin} || :; \\builtin exit "$__tvcache_status" ) 2>/dev/null && {{ (( 1 )); }} 2>/dev/null'
         )
         outcome = await self._sh(command, timeout)
         text = outcome.output
@@ -482,25 +567,75 @@ def _strip(output: str) -> str:
     return _ANSI.sub("", output).replace("\r\n", "\n")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Probed:
+    """The exit-code probe's reading: the command's whole output and status, or why there is none."""
+
+    output: str = ""
+    exit_code: int | None = None
+    error: str = ""
+    deterministic: bool = True
+
+
 def _split_marked(text: str) -> tuple[str, bool]:
-    """The output before the check="ignore" marker, and whether the marker closed it (nothing but the
-    sandbox's exit-status note after it)."""
+    """The output before the marker, and whether the marker closed it (nothing but the sandbox's exit-status
+    note after it)."""
     at = text.rfind(_END)
     if at < 0 or not _NOTES.fullmatch(text[at + len(_END) :]):
         return text, False
     return text[:at], True
 
 
-def _failure_reason(text: str) -> str:
-    if "[the shell ended" in text:
-        return "the shell ended: " + text[text.rfind("[the shell ended") :].strip()
-    if "[output truncated" in text:
-        return "the output was cut at the sandbox's max_output_bytes, and the exit code with it"
-    return "the exit-code probe did not print"
+def _observation(**fields: Any) -> Any:
+    return require("swerex.runtime.abstract", "swe-rex").BashObservation(**fields)
 
 
-async def _check_syntax(command: str) -> dict[str, Any] | None:
-    """SWE-ReX's own check, on the host's bash: ``bash -n`` of the command (it only parses)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TypedCommand:
+    """What SWE-ReX's BashSession types for a BashAction's command, and the string it then waits for."""
+
+    text: str
+    expect: str  # PS1 (its prompt), or UNIQUE after a command bashlex cannot parse (the text ends in _TERMINATOR)
+
+
+def typed_command(command: str) -> TypedCommand:
+    """The command as SWE-ReX 1.4's BashSession types it: split by bashlex into its top-level commands, rejoined
+    with ``" ; "`` on one line (so a here-document's body is lost, and ``cmd &`` before another is a syntax
+    error, as there); if bashlex fails (``[[ ]]``, ``$(( ))``, ``case``, arrays, quoted here-documents, ...), as
+    written followed by SWE-ReX's terminator line."""
+    try:
+        parts = _top_level_commands(command)
+    except Exception:  # bashlex fails in many ways (ParsingError, NotImplementedError, AttributeError, ...)
+        return TypedCommand(text=command + _TERMINATOR, expect=UNIQUE)
+    return TypedCommand(text=" ; ".join(parts), expect=PS1)
+
+
+def _top_level_commands(command: str) -> list[str]:
+    text = command.strip()
+    if not text or all(line.strip().startswith("#") for line in text.splitlines()):
+        return []  # bashlex cannot parse these; SWE-ReX types an empty line
+    nodes = require("bashlex", "swe-rex").parse(text)
+    return [text[slice(*_extent(node))] for node in nodes]
+
+
+def _extent(node: Any) -> tuple[int, int]:
+    """Where a bashlex node starts and ends, its parts included (not a redirection's here-document body)."""
+    start, end = node.pos
+    for part in getattr(node, "parts", []):
+        part_start, part_end = _extent(part)
+        start, end = min(start, part_start), max(end, part_end)
+    return start, end
+
+
+def _waits_for_input(typed: str, parse_errors: str) -> bool:
+    """Whether an interactive bash given ``typed`` would go on reading the command (an open here-document, quote
+    or compound command, as ``bash -n`` reported in ``parse_errors``; or a last line ending in a backslash)."""
+    backslashes = len(typed) - len(typed.rstrip("\\"))
+    return backslashes % 2 == 1 or any(sign in parse_errors for sign in _OPEN_INPUT)
+
+
+async def _bash_parse(text: str) -> tuple[int, str, str]:
+    """``bash -n`` of ``text`` on the host, as SWE-ReX checks a command: its exit code, stdout and stderr."""
     process = await asyncio.create_subprocess_exec(
         "bash",
         "-n",
@@ -509,12 +644,14 @@ async def _check_syntax(command: str) -> dict[str, Any] | None:
         stderr=asyncio.subprocess.PIPE,
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8"},
     )
-    out, err = await process.communicate(f"{command}\n".encode(errors="surrogateescape"))
-    if process.returncode == 0:
-        return None
-    stdout, stderr = out.decode(errors="backslashreplace"), err.decode(errors="backslashreplace")
+    out, err = await process.communicate(f"{text}\n".encode(errors="surrogateescape"))
+    code = process.returncode if process.returncode is not None else -1
+    return code, out.decode(errors="backslashreplace"), err.decode(errors="backslashreplace")
+
+
+def _syntax_error(command: str, code: int, stdout: str, stderr: str) -> dict[str, Any]:
     message = (
-        f"Error (exit code {process.returncode}) while checking bash command \n{command!r}\n"
+        f"Error (exit code {code}) while checking bash command \n{command!r}\n"
         f"---- Stderr ----\n{stderr}\n---- Stdout ----\n{stdout}"
     )
     exceptions = require("swerex.exceptions", "swe-rex")

@@ -19,8 +19,9 @@ checked, so the deployment must start in the task's initial state (a container f
 
 Answers are the runtime's own response models, rebuilt from their JSON; an answer that was an exception
 (``NonZeroExitCodeError`` for ``check="raise"``, a missing session) is cached when it can be rebuilt exactly and
-raised again on a hit. A command that timed out is never cached. A shell command is not known deterministic, so
-the first hit of each tool per task is checked by executing it once more unless ``deterministic=True``. Keep the
+raised again on a hit. A request that timed out (``TimeoutError``, or pexpect's ``TIMEOUT`` from a session start
+past its ``startup_timeout``) is never cached. A shell command is not known deterministic, so the first hit of
+each tool per task is checked by executing it once more unless ``deterministic=True``. Keep the
 check on unless you accept one recorded answer for all: SWE-ReX's own ``BashSession`` output varies from run to
 run in blank lines and in whether bash's startup prompt appears (pexpect timing), so the check may find a
 ``run_in_session`` call non-deterministic in a task, which then runs uncached there.
@@ -36,7 +37,8 @@ divergent rollout forks the snapshot nearest its divergence instead of replaying
     shell = ShellSandbox.factory(checkout, persistent=True)     # one per process; its layers hold the snapshots
     deployment = CachingDeployment(shell, cache="/data/tvcache", task_id=instance)
 
-How requests map onto the shell, and what differs from SWE-ReX's ``LocalRuntime``: ``_swerex_shell_sandbox``.
+How requests map onto the shell: ``_swerex_shell_sandbox``; what still differs from SWE-ReX's ``LocalRuntime``,
+each with the test that pins it: docs/harnesses.md.
 ``ShellDeployment(shell)`` is the same runtime uncached.
 """
 
@@ -195,7 +197,7 @@ class CachingRuntime:
             response = await getattr(runtime, call.name)(request)
         except Exception as error:
             recorded = recorded_exception(error)
-            timed_out = isinstance(error, TimeoutError)  # how far the command got depends on timing
+            timed_out = isinstance(error, _timeouts())  # how far the command got depends on timing
             if recorded is None or timed_out:
                 key = next(self._ids)
                 self._unrecorded[key] = error
@@ -217,6 +219,13 @@ _REQUESTS: dict[str, Callable[[Any], Any]] = {
     "read_file": lambda m: m.ReadFileRequest,
     "write_file": lambda m: m.WriteFileRequest,
 }
+
+
+def _timeouts() -> tuple[type[BaseException], ...]:
+    """The exceptions that say a request ran out of time: ``TimeoutError`` (SWE-ReX's ``CommandTimeoutError`` is
+    one) and pexpect's ``TIMEOUT``, which a ``LocalRuntime`` raises when a session's start outlasts its
+    ``startup_timeout`` (and a remote runtime raises again, rebuilt from its class path)."""
+    return (TimeoutError, require("pexpect", "swe-rex").TIMEOUT)
 
 
 async def _stop(deployment: Any) -> None:

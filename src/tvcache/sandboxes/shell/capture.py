@@ -68,6 +68,7 @@ _SIG_IGN = 1
 # The sections the trap prints, in order; a capture is valid only with each exactly once.
 SECTIONS = (
     "status",
+    "pipestatus",
     "underscore",
     "args",
     "argv0",
@@ -130,14 +131,16 @@ def _items(name: str, *words: str) -> str:
 # The fixed-size sections, printed by one command: (name, format, arguments).
 _SCALARS = (
     ("status", "%s", '"$1"'),
-    ("underscore", "%q", '"$2"'),
+    ("pipestatus", "%s", '"$2"'),
+    ("underscore", "%q", '"$3"'),
     ("argv0", "%q", '"$0"'),
     ("cwd", "%q", '"${PWD-}"'),
     ("last-background", "%s", '"${!-}"'),
 )
 
 # The capture function, defined at boot and made read-only there: no later definition, ``unset -f`` or
-# ``declare`` can change it for the shell's life, and its body is parsed once. Arguments: ``$?``, ``$_``, ``$#``,
+# ``declare`` can change it for the shell's life, and its body is parsed once. Arguments: ``$?``, ``PIPESTATUS``
+# (bash keeps both as the last command left them while a trap runs), ``$_``, ``$#``,
 # the positional parameters, ``$_`` again (the call's last argument: bash sets ``$_`` to it after the call). Its
 # command words are quoted (``\\builtin``: no alias applies); the steps that can fail (the reads) are in ``||``
 # lists, so ``set -e`` and ERR traps stay quiet; its variables are local. It expands no dynamic variable of bash's
@@ -154,7 +157,7 @@ CAPTURE_FUNCTION = (
     + _T
     + "".join(f" {_T} {words}" for _, _, words in _SCALARS)
     + "\n"
-    + _items("args", '"$3"', '"${@:4:$3}"')
+    + _items("args", '"$4"', '"${@:5:$4}"')
     + _listing("vars", "declare -p")
     + _listing("functions", "declare -f")
     + _listing("function-attributes", "declare -F")
@@ -169,7 +172,7 @@ CAPTURE_FUNCTION = (
     + "}"
 )
 # The trap: the whole capture's stderr (an xtrace of it included) to /dev/null, its output to /dev/tty.
-CAPTURE_TRAP = f'{{ \\{_CAPTURE} "$?" "$_" "$#" "$@" "$_"; }} 2>/dev/null'
+CAPTURE_TRAP = f'{{ \\{_CAPTURE} "$?" "${{PIPESTATUS[*]}}" "$_" "$#" "$@" "$_"; }} 2>/dev/null'
 
 
 def _single_quoted(text: str) -> str:

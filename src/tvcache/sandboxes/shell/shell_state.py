@@ -421,6 +421,7 @@ class ShellStateRoute:
             "prompt": state.prompt_script(),
             "lineno": shell.lineno,
             "status": int(state.lines("status")[0]),
+            "pipestatus": [int(value) for value in (state.lines("pipestatus") or [""])[0].split()],
             "underscore": state.lines("underscore")[0] if state.lines("underscore") else "''",
             "last_pid": last_pid,
         }
@@ -430,7 +431,11 @@ class ShellStateRoute:
         if int(image["lineno"]) <= FRESH_LINENO:
             # No line was typed yet, so none may be typed now: the prompt variables come with the boot instead.
             boot += str(image.get("prompt", "")) + "\n"
-        shell = launch.fresh(boot, image.get("last_pid"))
+        last_pid = image.get("last_pid")
+        several = len(image.get("pipestatus", [])) if len(image.get("pipestatus", [])) > 1 else 0
+        if isinstance(last_pid, int) and several:
+            last_pid -= several  # ``_synchronise`` restores PIPESTATUS by a pipeline of that many subshells
+        shell = launch.fresh(boot, last_pid)
         try:
             try:
                 _state(image).apply_process_state(shell.pid)
