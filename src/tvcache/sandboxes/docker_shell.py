@@ -65,7 +65,7 @@ from .shell.pty_shell import (
     PtyResult,
     PtyShell,
     ShellGone,
-    _escapes,
+    boot_escapes,
 )
 from .shell.session import NEW_SHELL_NOTE, PersistentShellCalls, persistent_command
 
@@ -135,7 +135,7 @@ class DockerShell(PtyShell):
                 )
             self._attach_terminal(deadline)
             if not restored:
-                self.escapes = _escapes(collected.kept)
+                self.escapes = boot_escapes(collected.kept)
                 self.set_last_pid(FIRST_PID)
             if self.settle(deadline, booted=not restored) is None:
                 raise SandboxError(

@@ -27,7 +27,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-__all__ = ["BashObserver", "Idle", "ShellReplaced", "UnknownBash"]
+__all__ = ["BashObserver", "Idle", "ShellGone", "ShellReplaced", "UnknownBash", "elf_symbols", "load_address"]
 
 # The globals read at each check, in the order of ``_STATE``; all are C ints.
 _BUSY = (
@@ -48,16 +48,21 @@ _STATE = (
     "no_line_editing",
 )
 _READ, _PSELECT6 = b"0", b"270"  # readline waits in pselect6 before it reads
-_POINTERS = ("last_asynchronous_pid", "trap_list", "ps1_prompt", "ps2_prompt", "ps0_prompt", "shell_name")
+_POINTERS = ("js", "last_asynchronous_pid", "trap_list", "ps1_prompt", "ps2_prompt", "ps0_prompt", "shell_name")
 # bash's trap_list: one pointer per signal (NSIG of glibc: 65), then DEBUG, ERR and RETURN.
 _DEBUG_TRAP, _RETURN_TRAP = 65, 67
 _SIG_IGN = 1
+_JOBS_OFFSET, _DEAD_OFFSET = 40, 44  # j_njobs and j_ndead in struct jobstats (a long, then eleven ints)
 _SHT_DYNSYM = 11
-_STT_OBJECT = 1
+_STT_OBJECT, _STT_FUNC = 1, 2
 
 
 class UnknownBash(Exception):
     """The shell's binary is not a bash whose globals we can find (not ELF64, stripped of its dynamic symbols)."""
+
+
+class ShellGone(Exception):
+    """The shell's end of the pty closed: bash (PID 1, and with it its namespace) is gone."""
 
 
 class ShellReplaced(Exception):
@@ -77,9 +82,10 @@ class Idle:
 
 
 @functools.lru_cache(maxsize=8)
-def _symbols(identity: tuple[int, int, int, int], path: str) -> dict[str, int]:
-    """Offsets of bash's exported data objects in its image (``identity``: the file's device, inode, size and
-    mtime, so that a changed binary is read again)."""
+def elf_symbols(identity: tuple[int, int, int, int], path: str) -> tuple[bytes, dict[str, int]]:
+    """A bash binary's bytes and the offsets of its exported data objects and functions, from its ELF dynamic
+    symbol table (``identity``: the file's device, inode, size and mtime, so that a changed binary is read again).
+    UnknownBash if it is not a little-endian 64-bit ELF file."""
     with open(path, "rb") as handle:
         data = handle.read()
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
@@ -94,9 +100,15 @@ def _symbols(identity: tuple[int, int, int, int], path: str) -> dict[str, int]:
         strings = sections[link][4]
         for index in range(size // 24):
             name, info, _, _, value, _ = struct.unpack_from("<IBBHQQ", data, offset + index * 24)
-            if value and info & 0xF == _STT_OBJECT:
+            if value and info & 0xF in (_STT_OBJECT, _STT_FUNC):
                 start = strings + name
                 found[data[start : data.index(b"\0", start)].decode("ascii", "replace")] = value
+    return data, found
+
+
+def _symbols(identity: tuple[int, int, int, int], path: str) -> dict[str, int]:
+    """The offsets the observer reads, or UnknownBash naming what the binary does not export."""
+    _, found = elf_symbols(identity, path)
     missing = [name for name in (*_STATE, *_POINTERS) if name not in found]
     if missing:
         raise UnknownBash(f"{path} does not export {', '.join(missing)} (not bash 5, or stripped)")
@@ -118,12 +130,13 @@ class BashObserver:
             exe = f"/proc/{pid}/exe"
             info = os.stat(exe)
             symbols = _symbols((info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns), exe)
-            base = _load_address(pid, info)
+            base = load_address(pid)
             self._addresses = [base + symbols[name] for name in _STATE]
             self._trap_list = base + symbols["trap_list"]
             self._prompts = [base + symbols[name] for name in ("ps0_prompt", "ps1_prompt", "ps2_prompt")]
             self._shell_name = base + symbols["shell_name"]
             self._last_job = base + symbols["last_asynchronous_pid"]
+            self._jobs = base + symbols["js"]
             self._syscall = os.open(f"/proc/{pid}/syscall", os.O_RDONLY | os.O_CLOEXEC)
             # The task's own counters: the process's (/proc/<pid>/io) also count what its reaped children read.
             self._io = os.open(f"/proc/{pid}/task/{pid}/io", os.O_RDONLY | os.O_CLOEXEC)
@@ -203,6 +216,11 @@ class BashObserver:
         """``$!``: the PID (in the shell's namespace) of the last job it started in the background."""
         return self._int(self._last_job)
 
+    def job_table(self) -> tuple[int, int]:
+        """How many jobs bash's table holds, and how many of them ended (``js.j_njobs``, ``js.j_ndead`` of bash
+        5's ``struct jobstats``): a background job that ends changes them, and bash notes it on the terminal."""
+        return self._int(self._jobs + _JOBS_OFFSET), self._int(self._jobs + _DEAD_OFFSET)
+
     def shell_name(self) -> str:
         """``$0`` as bash uses it for ``\\s`` in prompts (assigning BASH_ARGV0 changes it)."""
         return self._string(self._pointer(self._shell_name)).decode("utf-8", errors="surrogateescape")
@@ -238,7 +256,7 @@ class BashObserver:
                 setattr(self, name, -1)
 
 
-def _load_address(pid: int, exe: os.stat_result) -> int:
+def load_address(pid: int) -> int:
     """Where the first page of the bash binary is mapped in ``pid`` (the base its symbol offsets add to): the
     mapping at file offset 0 of the executable's path (overlay files show their own path, not their inode)."""
     path = os.readlink(f"/proc/{pid}/exe")

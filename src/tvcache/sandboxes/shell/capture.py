@@ -44,10 +44,41 @@ import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
+
+from .bash_observer import ShellGone, UnknownBash, elf_symbols, load_address
 
 if TYPE_CHECKING:
-    from .pty_shell import PtyShell
+    from .bash_observer import BashObserver
+    from .zygote import Spawned
+
+
+class CapturedShell(Protocol):
+    """What the capture uses of a live shell (``pty_shell.PtyShell``), named here so that this module does not
+    depend on the driver that depends on it."""
+
+    pid: int
+    spawned: Spawned | None
+    _buffer: bytearray
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def observer(self) -> BashObserver: ...
+
+    def wait_idle(self, timeout: float = ...) -> bool: ...
+
+    def children(self) -> list[int]: ...
+
+    def kill(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def _reset_terminal(self) -> None: ...
+
+    def _read_some(self, timeout: float) -> bool: ...
+
 
 __all__ = [
     "CAPTURE_PROTOCOL",
@@ -260,23 +291,10 @@ def _static_string(image: _Image, address: int) -> bytes | None:
 
 @functools.lru_cache(maxsize=8)
 def _image(identity: tuple[int, int, int, int], path: str) -> _Image:
-    with open(path, "rb") as handle:
-        data = handle.read()
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        raise CaptureRefused(f"{path} is not a little-endian 64-bit ELF file")
-    (section_offset,) = struct.unpack_from("<Q", data, 0x28)
-    entry_size, count = struct.unpack_from("<HH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, section_offset + i * entry_size) for i in range(count)]
-    symbols: dict[str, int] = {}
-    for _, kind, _, _, offset, size, link, _, _, _ in sections:
-        if kind != 11:  # SHT_DYNSYM
-            continue
-        strings = sections[link][4]
-        for index in range(size // 24):
-            name, info, _, _, value, _ = struct.unpack_from("<IBBHQQ", data, offset + index * 24)
-            if value and info & 0xF in (1, 2):  # objects and functions
-                start = strings + name
-                symbols[data[start : data.index(b"\0", start)].decode("ascii", "replace")] = value
+    try:
+        data, symbols = elf_symbols(identity, path)
+    except UnknownBash as unknown:
+        raise CaptureRefused(str(unknown)) from None
     needed = (
         "trap_list shell_functions shell_function_defs global_variables aliases shell_builtins num_shell_builtins "
         "echo_command_at_execute echo_input_at_read xtrace_fd sh_optind sh_getopt_restore_state pending_traps "
@@ -358,8 +376,11 @@ class BashMemory:
             exe = f"/proc/{pid}/exe"
             info = os.stat(exe)
             self._image = _image((info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns), exe)
-            self._base = _load_address(pid)
+            self._base = load_address(pid)
             self._mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+        except UnknownBash as unknown:
+            self.close()
+            raise CaptureRefused(str(unknown)) from None
         except OSError as error:
             self.close()
             raise CaptureRefused(f"the shell's memory cannot be read ({error.strerror})") from None
@@ -546,16 +567,6 @@ class BashMemory:
         return self.pointer(self._base + self._image.nextchar) != 0
 
 
-def _load_address(pid: int) -> int:
-    path = os.readlink(f"/proc/{pid}/exe")
-    with open(f"/proc/{pid}/maps") as handle:
-        for line in handle:
-            fields = line.rstrip("\n").split(maxsplit=5)
-            if len(fields) == 6 and int(fields[2], 16) == 0 and fields[5] == path:
-                return int(fields[0].split("-")[0], 16)
-    raise CaptureRefused(f"the bash image of process {pid} is not in its memory map")
-
-
 _BUILTIN_ENABLED = 0x1
 _ATT_NAMEREF = 0x800
 _ATT_READONLY = 0x2
@@ -686,10 +697,10 @@ CAPTURE_SECONDS = 5.0
 MAX_STATE_BYTES = 4 << 20
 
 
-_MEMORIES: weakref.WeakKeyDictionary[PtyShell, BashMemory] = weakref.WeakKeyDictionary()
+_MEMORIES: weakref.WeakKeyDictionary[CapturedShell, BashMemory] = weakref.WeakKeyDictionary()
 
 
-def _memory(shell: PtyShell) -> BashMemory:
+def _memory(shell: CapturedShell) -> BashMemory:
     """The shell's memory reader, kept with the shell (its descriptor closes when the shell is collected)."""
     memory = _MEMORIES.get(shell)
     if memory is None or memory.pid != shell.pid or memory.closed:
@@ -699,14 +710,12 @@ def _memory(shell: PtyShell) -> BashMemory:
     return memory
 
 
-def take_capture(shell: PtyShell, *, checked: bool = True) -> bytes:
+def take_capture(shell: CapturedShell, *, checked: bool = True) -> bytes:
     """The state of ``shell`` (idle, between commands): checked from outside, signalled, read from its terminal
     and parsed, with the sections read from outside added; as ``encode_state`` bytes. CaptureRefused says why
     not; the shell then goes on as it was, unless it did not finish the trap in time (it is killed: the rest of
     the capture could come later, inside a command's output; ``shell.alive`` turns False). ``checked=False``
     skips the checks that no code of the user's can run inside the trap: for a shell that ran only our boot."""
-    from .pty_shell import ShellGone
-
     spawned = shell.spawned
     if spawned is None or not shell.alive:
         raise CaptureRefused("the shell is gone")
@@ -740,7 +749,7 @@ def take_capture(shell: PtyShell, *, checked: bool = True) -> bytes:
     return encode_state({**parse_capture(token, data), **outside})
 
 
-def _read_capture(shell: PtyShell, memory: BashMemory, start: int, deadline: float) -> tuple[bytes, bytes] | None:
+def _read_capture(shell: CapturedShell, memory: BashMemory, start: int, deadline: float) -> tuple[bytes, bytes] | None:
     """The token and the body of the capture the trap prints, cut out of the shell's buffer (what came before it
     stays there); None at the deadline; CaptureRefused when the trap ran but printed no whole capture."""
     token = b""
@@ -779,7 +788,7 @@ def _read_capture(shell: PtyShell, memory: BashMemory, start: int, deadline: flo
             finished = True
 
 
-def _wait_trap_end(shell: PtyShell, deadline: float) -> None:
+def _wait_trap_end(shell: CapturedShell, deadline: float) -> None:
     """Until bash waits at its prompt again: the trap's last line (its tail) runs after the end marker."""
     while time.monotonic() < deadline:
         with contextlib.suppress(Exception):
@@ -788,7 +797,7 @@ def _wait_trap_end(shell: PtyShell, deadline: float) -> None:
         shell._read_some(0.00005)
 
 
-def _trap_done(shell: PtyShell, memory: BashMemory) -> bool:
+def _trap_done(shell: CapturedShell, memory: BashMemory) -> bool:
     """The signal reached bash, bash ran its trap, and waits at its prompt again."""
     if kernel_pending(shell.pid, CAPTURE_SIGNAL_NUMBER):
         return False

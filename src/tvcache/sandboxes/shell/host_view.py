@@ -37,6 +37,7 @@ from pathlib import Path
 
 from ...errors import SandboxError
 from .zygote import Confinement
+from .zygote_process import HIDDEN_MEMORY
 
 __all__ = ["ETC_ALLOWED", "SYSTEM_DIRS", "HostView", "ViewEntry", "build_confinement", "describe"]
 
@@ -204,6 +205,10 @@ def describe(confinement: Confinement, *, visible: tuple[str, ...] = ()) -> Host
             entries.append(ViewEntry(path=path, kind="read-only", source=parent, why=f"mounted below {parent}"))
         entries.append(ViewEntry(path=confinement.base, kind="tree", why="the sandbox's own files (its overlay)"))
     entries.append(ViewEntry(path="/proc", kind="proc", why="the command's own processes only (read-only)"))
+    entries += [
+        ViewEntry(path=path, kind="read-only", why="hidden: the shell's memory, which the driver reads (its environ)")
+        for path in HIDDEN_MEMORY
+    ]
     entries.append(ViewEntry(path="/dev", kind="devices", why="a tmpfs with a few harmless devices"))
     entries += [ViewEntry(path=f"/dev/{name}", kind="read-only", why=_DEVICES_WHY) for name in confinement.devices]
     size = f", size {confinement.tmpfs_size}" if confinement.tmpfs_size else ""

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import SandboxError
-from .bash_observer import BashObserver, Idle, ShellReplaced
+from .bash_observer import BashObserver, Idle, ShellGone, ShellReplaced
 from .capture import CAPTURE_PROTOCOL, CaptureRefused, take_capture
 from .process import ShellResult
 from .zygote import Spawned, Zygote
@@ -81,6 +81,7 @@ __all__ = [
     "ShellGone",
     "Terminal",
     "ansi_c_quote",
+    "boot_escapes",
     "decode_prompt",
     "shell_argv",
 ]
@@ -214,10 +215,6 @@ class OutputCollector:
         self.total += len(data)
 
 
-class ShellGone(Exception):
-    """The shell's end of the pty closed: bash (PID 1, and with it its namespace) is gone."""
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Terminal:
     """A fresh pty pair in raw mode with the fixed window size: the master stays with the driver, the slave goes
@@ -314,7 +311,7 @@ class PtyShell:
             ):
                 raise SandboxError("the persistent shell did not become ready within 10 s")
             if mount_fd is not None:
-                self.escapes = _escapes(collected.kept)
+                self.escapes = boot_escapes(collected.kept)
             if mount_fd is not None and self.settle(time.monotonic() + START_SECONDS, booted=True) is None:
                 raise SandboxError("the persistent shell did not wait for its first command within 10 s")
         except ShellGone:
@@ -356,7 +353,7 @@ class PtyShell:
             booted = OutputCollector(4096)
             if not self._read_until(READY, deadline, booted):
                 raise SandboxError("the warm shell did not become ready within 10 s")
-            self.escapes = _escapes(booted.kept)
+            self.escapes = boot_escapes(booted.kept)
             if self.settle(deadline, booted=True) is None:
                 raise SandboxError("the warm shell did not wait for its first command within 10 s")
         except ShellGone:
@@ -387,6 +384,7 @@ class PtyShell:
         self._idle: Idle | None = None  # the state bash waited in after the last command
         self.escapes = {}
         self._others_after: dict[int, tuple[int, bool]] = {}  # the processes besides bash after the last call
+        self._jobs_after: tuple[int, int] | None = None  # bash's job table then (None: no call yet)
         self.spawned = None
         self.pid = 0
         self._boot_pipe = -1  # a warm shell's, until resume
@@ -562,9 +560,12 @@ class PtyShell:
             self._reset_terminal()
             late = self._pending_output(collected)
             processes = self._others()
-            last_job = self.observer.last_job()
-            # Something wrote between calls, or a job started, ended or wrote since the last call returned.
-            background = late or processes != self._others_after
+            last_job, jobs = self.observer.last_job(), self.observer.job_table()
+            if self._jobs_after is None:  # the first call of this shell (new, or restored): nothing to compare yet
+                self._jobs_after, self._others_after = jobs, processes
+            # Something wrote between calls, a job ended since the last call returned, or a process that holds
+            # the terminal wrote meanwhile.
+            background = late or jobs != self._jobs_after or self._wrote(self._others_after, processes)
             if not command.strip():  # an empty group is a syntax error; an empty line is nothing to bash
                 return self._result(collected, self.status, background=background)
             lines = [f"{{ {line}" if index == 0 else line for index, line in enumerate(command.split("\n"))]
@@ -619,8 +620,13 @@ class PtyShell:
                 state = self._take_back_lines(state, 1)
             self._idle = state
             self.lineno, self.status, self.last_command = state.lineno, state.status, command
-            moved = self._moved(processes)
-            return self._result(collected, state.status, background=moved or background or self._job_ended(last_job))
+            after = self._others_after = self._others()
+            jobs_after = self._jobs_after = self.observer.job_table()
+            # A job of the shell ended during the call (more ended, or fewer left), or one it started ended already.
+            job_moved = jobs_after[1] != jobs[1] or jobs_after[0] < jobs[0] or self._job_ended(last_job)
+            return self._result(
+                collected, state.status, background=background or job_moved or self._wrote(processes, after)
+            )
         except ShellReplaced as replaced:
             collected.absorb(step, _without_prefix(bytes(step.kept), at_once))
             ended = not os.path.exists(f"/proc/{self.pid}/exe") or not self.alive  # it exited, not exec'd
@@ -739,7 +745,8 @@ class PtyShell:
         result = self._take_back_lines(result, result.lineno - start - command.count("\n") - 1)
         self._idle = result
         self.lineno, self.status, self.last_command = result.lineno, result.status, command
-        return self._result(collected, result.status, background=self._moved(processes))
+        self._others_after = self._others()
+        return self._result(collected, result.status, background=self._wrote(processes, self._others_after))
 
     def _result(
         self,
@@ -883,14 +890,10 @@ class PtyShell:
             found[pid] = (written, terminal)
         return found
 
-    def _moved(self, before: dict[int, tuple[int, bool]]) -> bool:
-        """Whether a process other than the call's foreground job may have written to the terminal during the
-        call, or a job's status changed (bash notes that on the terminal at a moment that depends on timing):
-        a process of ``before`` ended or wrote while holding the terminal, or one started by the call still
-        runs and wrote. Kept for the next call's comparison."""
-        after = self._others_after = self._others()
-        if any(pid not in after for pid in before):
-            return True
+    @staticmethod
+    def _wrote(before: dict[int, tuple[int, bool]], after: dict[int, tuple[int, bool]]) -> bool:
+        """Whether a process other than bash that holds the terminal wrote between ``before`` and ``after`` (or
+        started meanwhile and wrote): its bytes may be in the output, at a place that depends on timing."""
         return any(terminal and written != before.get(pid, (0, True))[0] for pid, (written, terminal) in after.items())
 
     def _job_ended(self, last_job: int) -> bool:
@@ -1034,7 +1037,7 @@ def decode_prompt(raw: bytes, escapes: Mapping[str, str]) -> bytes | None:
     return bytes(out)
 
 
-def _escapes(booted: bytes | bytearray) -> dict[str, str]:
+def boot_escapes(booted: bytes | bytearray) -> dict[str, str]:
     """The boot's decoding of ``STATIC_ESCAPES`` (empty when it is not there)."""
     start = booted.rfind(ESCAPES_MARK)
     if start < 0:

@@ -34,6 +34,9 @@ EXIT_FAILED = 127
 FD_BYTES = array.array("i").itemsize
 # A warm shell's two extra descriptors, closed by its boot script before any command runs: the pipe its state
 # arrives on, and the namespace's ns_last_pid (opened while /proc was writable), to number its PIDs on from.
+# What covers the memory of a sandbox's PID 1 (bash, for a persistent shell: the driver's ground truth, read from
+# outside by ``bash_observer``): its own environ, read-only.
+HIDDEN_MEMORY = ("/proc/1/mem", "/proc/1/task/1/mem")
 WARM_BOOT_FD = 3
 WARM_LAST_PID_FD = 4
 _SIOCSIFFLAGS = 0x8914
@@ -267,7 +270,7 @@ class Confiner:
             # This process becomes the command (bash, for a persistent shell): its memory is the ground truth the
             # driver reads (``bash_observer``), so nothing inside may write it through /proc. Its own environ,
             # read-only, takes the place of its memory file.
-            for path in ("/proc/1/mem", "/proc/1/task/1/mem"):
+            for path in HIDDEN_MEMORY:
                 linux.mount("/proc/1/environ", path, None, linux.MS_BIND)
                 linux.mount(None, path, None, linux.MS_BIND | linux.MS_REMOUNT | linux.MS_RDONLY)
 
