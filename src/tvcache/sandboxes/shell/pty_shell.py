@@ -494,6 +494,7 @@ class PtyShell:
         abandon: threading.Event | None = None,
         *,
         taken: int = 0,
+        longest: float = _LAST_PAUSE,
     ) -> Idle | None:
         """Collect output until bash's top-level reader waits for a line, having read ``taken`` bytes in all,
         then every byte written before that (``select`` on the master pushes the terminal's pending input to
@@ -510,7 +511,7 @@ class PtyShell:
             if remaining <= 0 or (abandon is not None and abandon.is_set()):
                 return None
             # Output (a prompt, printed just before bash waits) wakes us; otherwise back off.
-            pause = _FIRST_PAUSE if self._read_some(min(pause, remaining), into) else min(pause * 2, _LAST_PAUSE)
+            pause = _FIRST_PAUSE if self._read_some(min(pause, remaining), into) else min(pause * 2, longest)
 
     def _wait_outside_command(self, deadline: float) -> Idle | None:
         """After a SIGINT: wait until bash waits for a line with no command half read (what it prints is dropped)."""
@@ -616,8 +617,10 @@ class PtyShell:
                 self.kill()
                 self.close()
                 return self._result(collected, None, background=True, died=True, replaced=EDITING_NOTE.strip())
-            if line is _CLOSE_GROUP:  # one line more than the user typed
-                state = self._take_back_lines(state, 1)
+            if line is _CLOSE_GROUP:  # one line more than the user typed: the count a terminal would have
+                # (from the call's first line: bash renumbers after a group that ran a subshell)
+                counted = before.lineno + command.count("\n") + 1 if before is not None else state.lineno - 1
+                state = self._take_back_lines(state, state.lineno - counted)
             self._idle = state
             self.lineno, self.status, self.last_command = state.lineno, state.status, command
             after = self._others_after = self._others()
@@ -810,7 +813,7 @@ class PtyShell:
             self._reset_terminal()
             taken = self._type(line.encode("utf-8", errors="surrogateescape"), deadline)
             if taken is not None:
-                state = self._wait_for_prompt(deadline, OutputCollector(0), taken=taken)
+                state = self._wait_for_prompt(deadline, OutputCollector(0), taken=taken, longest=_FIRST_PAUSE * 4)
                 if state is not None and not state.continuation:
                     self._idle = state
                     self.lineno, self.status = state.lineno, state.status
@@ -829,7 +832,8 @@ class PtyShell:
         """Wait until bash waits for a line (after its boot, ``booted``: whose line is taken back, or after a
         restore) and note its state."""
         try:
-            state = self._wait_for_prompt(deadline, OutputCollector(0))
+            # Our own boot or restore, a few milliseconds at most, and its prompt may be read already: look often.
+            state = self._wait_for_prompt(deadline, OutputCollector(0), longest=_FIRST_PAUSE * 4)
             if state is not None and booted:
                 state = self._take_back_lines(state, 1)
         except (ShellGone, ShellReplaced):

@@ -421,7 +421,8 @@ class ShellStateRoute:
             "prompt": state.prompt_script(),
             "lineno": shell.lineno,
             "status": int(state.lines("status")[0]),
-            "pipestatus": [int(value) for value in (state.lines("pipestatus") or [""])[0].split()],
+            # Joined by the first character of IFS, whatever it is: the numbers are what counts.
+            "pipestatus": [int(value) for value in re.findall(r"\d+", (state.lines("pipestatus") or [""])[0])],
             "underscore": state.lines("underscore")[0] if state.lines("underscore") else "''",
             "last_pid": last_pid,
         }
