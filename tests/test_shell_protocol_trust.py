@@ -5,11 +5,12 @@ tests/test_docker.py. Also the out-of-band reader itself (``bash_observer``)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
-from shell_trust_cases import CASES, Case, run_background_case, run_case, sh
+from shell_trust_cases import CASES, Case, Run, run_background_case, run_case, sh
 from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory
 from tvcache.sandboxes.shell.linux import overlay_supported
 from tvcache.sandboxes.shell.pty_shell import decode_prompt
@@ -25,14 +26,14 @@ def factory_for(tmp_path: Path) -> ShellSandboxFactory:
     return factory
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
-def test_a_command_cannot_forge_or_break_the_protocol(tmp_path: Path, case: Case) -> None:
+def on_one_sandbox(tmp_path: Path, check: Callable[[Run], Awaitable[None]]) -> None:
+    """``check`` over one fresh persistent sandbox's ``execute``, everything stopped after."""
     factory = factory_for(tmp_path)
 
     async def main() -> None:
         sandbox = await factory.start()
         try:
-            await run_case(sandbox.execute, case)
+            await check(sandbox.execute)
         finally:
             await sandbox.stop()
 
@@ -40,22 +41,15 @@ def test_a_command_cannot_forge_or_break_the_protocol(tmp_path: Path, case: Case
         asyncio.run(main())
     finally:
         factory.close()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_a_command_cannot_forge_or_break_the_protocol(tmp_path: Path, case: Case) -> None:
+    on_one_sandbox(tmp_path, lambda run: run_case(run, case))
 
 
 def test_output_from_a_background_process_is_not_deterministic(tmp_path: Path) -> None:
-    factory = factory_for(tmp_path)
-
-    async def main() -> None:
-        sandbox = await factory.start()
-        try:
-            await run_background_case(sandbox.execute)
-        finally:
-            await sandbox.stop()
-
-    try:
-        asyncio.run(main())
-    finally:
-        factory.close()
+    on_one_sandbox(tmp_path, run_background_case)
 
 
 def test_exec_of_another_program_ends_the_call_and_untrusts_the_sandbox(tmp_path: Path) -> None:
