@@ -121,3 +121,27 @@ def test_a_fork_shows_the_pipestatus_status_and_underscore_of_its_origin(tmp_pat
         factory.close()
     assert route == "shell-state"
     assert forked.splitlines()[:2] == truth.splitlines()[:2]
+
+
+def test_a_capture_is_framed_whatever_ifs_is(tmp_path: Path) -> None:
+    """The capture's token is read with the user's IFS out of the way: under ``IFS=0`` a token ending in 0 (one
+    in sixteen) lost that digit, no header matched, and the capture's text opened the next call's output."""
+    factory = factory_for(tmp_path)
+
+    async def main() -> list[str]:
+        sandbox = await factory.start()
+        try:
+            await sandbox.execute(sh("IFS=0"))
+            outputs = []
+            for _ in range(80):  # every token an old capture drew: (15/16)**80 < 1% that none ended in 0
+                await sandbox.state_digest()
+                outputs.append((await sandbox.execute(sh("echo ok"))).output)
+            return outputs
+        finally:
+            await sandbox.stop()
+
+    try:
+        outputs = asyncio.run(main())
+    finally:
+        factory.close()
+    assert set(outputs) == {"ok\n"}

@@ -181,7 +181,8 @@ _SCALARS = (
 CAPTURE_FUNCTION = (
     f"{_CAPTURE}() {{\n"
     "\\builtin local __tvcache_t= __tvcache_s=\n"
-    "\\builtin read -r __tvcache_t </proc/sys/kernel/random/uuid || __tvcache_t=\n"
+    # ``IFS=``: a user's IFS would trim the token's last digit (``IFS=0``) and no header would match.
+    "IFS= \\builtin read -r __tvcache_t </proc/sys/kernel/random/uuid || __tvcache_t=\n"
     "{ \\builtin printf '\\n@@tvcache-state %s@@\\n"
     + "".join(f"\\n@@%s:{name}@@\\n{form}\\n" for name, form, _ in _SCALARS)
     + "' "
@@ -197,7 +198,7 @@ CAPTURE_FUNCTION = (
     + _listing("umask", "umask")
     + _listing("traps", f"trap -p {_TRAPPED}")
     + _listing("complete", "complete -p")
-    + "\\builtin read -r __tvcache_s </proc/sys/kernel/ns_last_pid || __tvcache_s=\n"
+    + "IFS= \\builtin read -r __tvcache_s </proc/sys/kernel/ns_last_pid || __tvcache_s=\n"
     + f"\\builtin printf '\\n@@%s:last-pid@@\\n%s\\n\\n@@%s:end@@\\n' {_T} \"$__tvcache_s\" {_T}\n"
     + "} >/dev/tty\n"
     + "}"
@@ -772,8 +773,8 @@ def _read_capture(shell: CapturedShell, memory: BashMemory, start: int, deadline
             if len(buffer) - body_start > MAX_STATE_BYTES:
                 return None
         if finished:
-            if token:
-                del buffer[begin:]  # a partial capture is ours, not the next command's
+            # What the trap printed is ours, never the next command's, whatever it looks like.
+            del buffer[begin if token else start :]
             raise CaptureRefused("the shell's state capture printed no complete state")
         if time.monotonic() >= deadline:
             return None
