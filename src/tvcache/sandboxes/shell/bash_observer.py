@@ -50,8 +50,8 @@ _STATE = (
 _READ, _PSELECT6 = b"0", b"270"  # readline waits in pselect6 before it reads
 _POINTERS = ("js", "last_asynchronous_pid", "trap_list", "ps1_prompt", "ps2_prompt", "ps0_prompt", "shell_name")
 # bash's trap_list: one pointer per signal (NSIG of glibc: 65), then DEBUG, ERR and RETURN.
-_DEBUG_TRAP, _RETURN_TRAP = 65, 67
-_SIG_IGN = 1
+DEBUG_TRAP, ERR_TRAP, RETURN_TRAP = 65, 66, 67
+SIG_IGN = 1  # trap_list's value for an ignored signal; 0 is the default action
 _JOBS_OFFSET, _DEAD_OFFSET = 40, 44  # j_njobs and j_ndead in struct jobstats (a long, then eleven ints)
 _SHT_DYNSYM = 11
 _STT_OBJECT, _STT_FUNC = 1, 2
@@ -172,10 +172,6 @@ class BashObserver:
             raise ShellReplaced(f"the shell's I/O counters cannot be read ({error.strerror})") from None
         return int(data.split(b"\n", 1)[0].split()[1])
 
-    def reading_terminal(self) -> bool:
-        """Blocked in ``read`` on descriptor 0 (the top level, or a builtin or program of the shell's own)."""
-        return self._blocked_reading_terminal()
-
     def _blocked_reading_terminal(self, editing: bool = False) -> bool:
         try:
             fields = os.pread(self._syscall, 128, 0).split(maxsplit=2)
@@ -206,7 +202,7 @@ class BashObserver:
 
     def firing_traps(self) -> bool:
         """Whether a DEBUG or RETURN trap is set (they would fire inside a capture or a restore)."""
-        return any(self._pointer(self._trap_list + 8 * index) > _SIG_IGN for index in (_DEBUG_TRAP, _RETURN_TRAP))
+        return any(self._pointer(self._trap_list + 8 * index) > SIG_IGN for index in (DEBUG_TRAP, RETURN_TRAP))
 
     def prompts(self) -> tuple[bytes, bytes, bytes]:
         """PS0, PS1 and PS2 as bash last read them for a prompt (raw, before their escapes are decoded)."""

@@ -46,7 +46,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from .bash_observer import ShellGone, UnknownBash, elf_symbols, load_address
+from .bash_observer import (
+    DEBUG_TRAP,
+    ERR_TRAP,
+    RETURN_TRAP,
+    SIG_IGN,
+    ShellGone,
+    UnknownBash,
+    elf_symbols,
+    load_address,
+)
 
 if TYPE_CHECKING:
     from .bash_observer import BashObserver
@@ -93,8 +102,6 @@ __all__ = [
 ]
 
 CAPTURE_SIGNAL_NUMBER = 64  # SIGRTMAX on Linux (glibc); bash's trap_list is indexed by signal number
-_DEBUG_TRAP, _ERR_TRAP, _RETURN_TRAP = 65, 66, 67
-_SIG_IGN = 1
 
 # The sections the trap prints, in order; a capture is valid only with each exactly once.
 SECTIONS = (
@@ -581,12 +588,12 @@ def capture_refusal(
     ``BashMemory`` read them."""
     trap = traps[CAPTURE_SIGNAL_NUMBER]
     expected = CAPTURE_TRAP.encode() + b"\0"
-    if trap <= _SIG_IGN or memory.read(trap, len(expected)) != expected:
+    if trap <= SIG_IGN or memory.read(trap, len(expected)) != expected:
         return "the SIGRTMAX trap of the state capture was changed"
-    for index, name in ((_DEBUG_TRAP, "DEBUG"), (_RETURN_TRAP, "RETURN")):
-        if traps[index] > _SIG_IGN:
+    for index, name in ((DEBUG_TRAP, "DEBUG"), (RETURN_TRAP, "RETURN")):
+        if traps[index] > SIG_IGN:
             return f"a {name} trap is set: it would run inside the state capture"
-    if others_alive and any(trap > _SIG_IGN for trap in traps[1:CAPTURE_SIGNAL_NUMBER]):
+    if others_alive and any(trap > SIG_IGN for trap in traps[1:CAPTURE_SIGNAL_NUMBER]):
         return "a signal trap is set while other processes live: one could run it inside the state capture"
     if memory.integer(memory.symbol("echo_input_at_read")):
         return "set -v is on: bash would echo the capture's text to the shell's stderr"
@@ -679,8 +686,8 @@ def outside_sections(
         "special-variables": "\n".join(special),
         "firing-traps": "\n".join(
             name
-            for index, name in ((_DEBUG_TRAP, "DEBUG"), (_ERR_TRAP, "ERR"), (_RETURN_TRAP, "RETURN"))
-            if traps[index] > _SIG_IGN
+            for index, name in ((DEBUG_TRAP, "DEBUG"), (ERR_TRAP, "ERR"), (RETURN_TRAP, "RETURN"))
+            if traps[index] > SIG_IGN
         ),
     }
 

@@ -92,8 +92,6 @@ WAITING = b"\n@@tvcache-waiting@@\n"
 WINDOW = (24, 80)  # rows, columns: fixed, so that `ls`, `COLUMNS` and wrapping are the same in every shell
 START_SECONDS = 10.0
 GRACE_SECONDS = 2.0  # after SIGINT, then after SIGKILL of the foreground job, before the shell is given up
-CAPTURE_SECONDS = 5.0
-MAX_STATE_BYTES = 4 << 20
 _CHUNK = 1 << 16
 _CLOSE_GROUP = "} </dev/null"
 _PROMPT_ROOM = 4096  # what a step keeps beyond the output limit: the prompts it may hold are removed after
@@ -1049,15 +1047,3 @@ def boot_escapes(booted: bytes | bytearray) -> dict[str, str]:
     line = bytes(booted[start + len(ESCAPES_MARK) :]).split(b"\n", 1)[0].rstrip(b"\r")
     values = line.decode("utf-8", errors="surrogateescape").split("\x1f")
     return dict(zip(STATIC_ESCAPES, values, strict=False)) if len(values) == len(STATIC_ESCAPES) else {}
-
-
-def _catches(pid: int, signum: int) -> bool:
-    """Whether ``pid`` has a handler for ``signum`` (its SigCgt mask in /proc)."""
-    try:
-        with open(f"/proc/{pid}/status") as handle:
-            for line in handle:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    except OSError:
-        pass
-    return False
