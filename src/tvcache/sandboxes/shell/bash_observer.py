@@ -25,9 +25,21 @@ from __future__ import annotations
 import functools
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
-__all__ = ["BashObserver", "Idle", "ShellGone", "ShellReplaced", "UnknownBash", "elf_symbols", "load_address"]
+__all__ = [
+    "BashObserver",
+    "FileIdentity",
+    "Idle",
+    "ShellGone",
+    "ShellReplaced",
+    "UnknownBash",
+    "elf_symbols",
+    "load_address",
+    "per_file",
+]
 
 # The globals read at each check, in the order of ``_STATE``; all are C ints.
 _BUSY = (
@@ -81,8 +93,29 @@ class Idle:
     editing: bool = False  # ``set -o emacs``/``vi``: readline reads the terminal, and echoes what is typed
 
 
-@functools.lru_cache(maxsize=8)
-def elf_symbols(identity: tuple[int, int, int, int], path: str) -> tuple[bytes, dict[str, int]]:
+FileIdentity = tuple[int, int, int, int]  # a file's device, inode, size and mtime
+T = TypeVar("T")
+
+
+def per_file(function: Callable[[FileIdentity, str], T]) -> Callable[[FileIdentity, str], T]:
+    """``function(identity, path)`` computed once per file ``identity`` (the last 8 kept): the path, a shell's
+    ``/proc/<pid>/exe``, says where to read the file, not which file it is."""
+    results: dict[FileIdentity, T] = {}
+
+    @functools.wraps(function)
+    def cached(identity: FileIdentity, path: str) -> T:
+        if identity not in results:
+            result = function(identity, path)
+            if len(results) >= 8:
+                results.pop(next(iter(results)), None)
+            results[identity] = result
+        return results[identity]
+
+    return cached
+
+
+@per_file
+def elf_symbols(identity: FileIdentity, path: str) -> tuple[bytes, dict[str, int]]:
     """A bash binary's bytes and the offsets of its exported data objects and functions, from its ELF dynamic
     symbol table (``identity``: the file's device, inode, size and mtime, so that a changed binary is read again).
     UnknownBash if it is not a little-endian 64-bit ELF file."""
@@ -106,7 +139,7 @@ def elf_symbols(identity: tuple[int, int, int, int], path: str) -> tuple[bytes, 
     return data, found
 
 
-def _symbols(identity: tuple[int, int, int, int], path: str) -> dict[str, int]:
+def _symbols(identity: FileIdentity, path: str) -> dict[str, int]:
     """The offsets the observer reads, or UnknownBash naming what the binary does not export."""
     _, found = elf_symbols(identity, path)
     missing = [name for name in (*_STATE, *_POINTERS) if name not in found]
@@ -115,9 +148,39 @@ def _symbols(identity: tuple[int, int, int, int], path: str) -> dict[str, int]:
     return found
 
 
+class _Spans:
+    """Little-endian integers at fixed addresses of the shell's memory, read with one ``pread`` per run of
+    nearby ones (bash's globals sit in a few pages: a few reads instead of one per global)."""
+
+    def __init__(self, fields: list[tuple[int, int]], gap: int = 2048) -> None:
+        self._fields = fields
+        order = sorted(range(len(fields)), key=lambda index: fields[index][0])
+        runs: list[list[int]] = []
+        for index in order:
+            address, size = fields[index]
+            if runs and address - (fields[runs[-1][-1]][0] + fields[runs[-1][-1]][1]) <= gap:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        self._runs = []
+        for run in runs:
+            start = fields[run[0]][0]
+            end = max(fields[index][0] + fields[index][1] for index in run)
+            self._runs.append((start, end - start, [(index, fields[index][0] - start) for index in run]))
+
+    def read(self, read: Callable[[int, int], bytes], *, signed: bool = False) -> list[int]:
+        """The values, in the order of ``fields``; ``read(address, size)`` reads the memory."""
+        values = [0] * len(self._fields)
+        for start, size, members in self._runs:
+            data = read(start, size)
+            for index, offset in members:
+                values[index] = int.from_bytes(data[offset : offset + self._fields[index][1]], "little", signed=signed)
+        return values
+
+
 class BashObserver:
     """Reads one bash process from outside (see the module docstring). Cheap: one ``pread`` of the syscall file
-    and one per global; descriptors kept open. ``terminal`` is the device number the shell's descriptor 0 must
+    and a few of its memory; descriptors kept open. ``terminal`` is the device number the shell's descriptor 0 must
     have."""
 
     def __init__(self, pid: int, terminal: int) -> None:
@@ -126,21 +189,27 @@ class BashObserver:
         self._syscall = -1
         self._io = -1
         self._mem = -1
+        self._children = -1
         try:
             exe = f"/proc/{pid}/exe"
             info = os.stat(exe)
             symbols = _symbols((info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns), exe)
             base = load_address(pid)
-            self._addresses = [base + symbols[name] for name in _STATE]
+            self._state = _Spans([(base + symbols[name], 4) for name in _STATE])
+            self._prompt_pointers = _Spans(
+                [(base + symbols[name], 8) for name in ("ps0_prompt", "ps1_prompt", "ps2_prompt", "shell_name")]
+            )
+            jobs = base + symbols["js"]
+            self._jobs = _Spans(
+                [(base + symbols["last_asynchronous_pid"], 4), (jobs + _JOBS_OFFSET, 4), (jobs + _DEAD_OFFSET, 4)]
+            )
             self._trap_list = base + symbols["trap_list"]
-            self._prompts = [base + symbols[name] for name in ("ps0_prompt", "ps1_prompt", "ps2_prompt")]
-            self._shell_name = base + symbols["shell_name"]
-            self._last_job = base + symbols["last_asynchronous_pid"]
-            self._jobs = base + symbols["js"]
+            self._line_number = base + symbols["line_number"]
             self._syscall = os.open(f"/proc/{pid}/syscall", os.O_RDONLY | os.O_CLOEXEC)
             # The task's own counters: the process's (/proc/<pid>/io) also count what its reaped children read.
             self._io = os.open(f"/proc/{pid}/task/{pid}/io", os.O_RDONLY | os.O_CLOEXEC)
             self._mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+            self._children = os.open(f"/proc/{pid}/task/{pid}/children", os.O_RDONLY | os.O_CLOEXEC)
         except BaseException:
             self.close()
             raise
@@ -149,7 +218,7 @@ class BashObserver:
         """The shell's state when its top-level reader waits on the terminal, else None (it is busy)."""
         if not self._blocked_reading_terminal(editing=True):
             return None
-        values = [self._int(address) for address in self._addresses]
+        values = self._state.read(self._read, signed=True)
         if any(values[: len(_BUSY)]):
             return None
         continuation, status, lineno, verbose, no_editing = values[len(_BUSY) :]
@@ -188,7 +257,7 @@ class BashObserver:
         """Set bash's line counter (``$LINENO`` of the next command) while it waits for a line: the driver types
         one line more per command than a user would (the group's closing line), and takes it back here, so
         that ``$LINENO`` counts as at a terminal. The only write the driver makes into the shell."""
-        address = self._addresses[_STATE.index("line_number")]
+        address = self._line_number
         try:
             descriptor = os.open(f"/proc/{self.pid}/mem", os.O_WRONLY | os.O_CLOEXEC)
             try:
@@ -204,35 +273,42 @@ class BashObserver:
         """Whether a DEBUG or RETURN trap is set (they would fire inside a capture or a restore)."""
         return any(self._pointer(self._trap_list + 8 * index) > SIG_IGN for index in (DEBUG_TRAP, RETURN_TRAP))
 
-    def prompts(self) -> tuple[bytes, bytes, bytes]:
-        """PS0, PS1 and PS2 as bash last read them for a prompt (raw, before their escapes are decoded)."""
-        return tuple(self._string(self._pointer(address)) for address in self._prompts)  # type: ignore[return-value]
+    def prompts(self) -> tuple[bytes, bytes, bytes, bytes]:
+        """PS0, PS1 and PS2 as bash last read them for a prompt (raw, before their escapes are decoded), and
+        ``$0`` as bash uses it for ``\\s`` in them (assigning BASH_ARGV0 changes it)."""
+        ps0, ps1, ps2, name = self._prompt_pointers.read(self._read)
+        return self._string(ps0), self._string(ps1), self._string(ps2), self._string(name)
 
     def last_job(self) -> int:
         """``$!``: the PID (in the shell's namespace) of the last job it started in the background."""
-        return self._int(self._last_job)
+        return self._jobs.read(self._read, signed=True)[0]
 
     def job_table(self) -> tuple[int, int]:
         """How many jobs bash's table holds, and how many of them ended (``js.j_njobs``, ``js.j_ndead`` of bash
         5's ``struct jobstats``): a background job that ends changes them, and bash notes it on the terminal."""
-        return self._int(self._jobs + _JOBS_OFFSET), self._int(self._jobs + _DEAD_OFFSET)
+        _, jobs, dead = self._jobs.read(self._read, signed=True)
+        return jobs, dead
 
-    def shell_name(self) -> str:
-        """``$0`` as bash uses it for ``\\s`` in prompts (assigning BASH_ARGV0 changes it)."""
-        return self._string(self._pointer(self._shell_name)).decode("utf-8", errors="surrogateescape")
-
-    def _int(self, address: int) -> int:
-        data = self._read(address, 4)
-        return int.from_bytes(data, "little", signed=True)
+    def children(self) -> list[int]:
+        """The PIDs (of this machine) whose parent is the shell. bash runs one thread, the only one they can
+        have as a parent."""
+        try:
+            return [int(pid) for pid in os.pread(self._children, 1 << 16, 0).split()]
+        except OSError:
+            return []
 
     def _pointer(self, address: int) -> int:
         return int.from_bytes(self._read(address, 8), "little")
 
     def _string(self, address: int, limit: int = 4096) -> bytes:
+        """The C string at ``address`` (a prompt, ``$0``): a short read first, most are short."""
         if address == 0:
             return b""
-        data = self._read(address, limit, exact=False)
+        data = self._read(address, 256, exact=False)
         end = data.find(b"\0")
+        if end < 0 and len(data) == 256:
+            data = self._read(address, limit, exact=False)
+            end = data.find(b"\0")
         return data if end < 0 else data[:end]
 
     def _read(self, address: int, size: int, *, exact: bool = True) -> bytes:
@@ -245,7 +321,7 @@ class BashObserver:
         return data
 
     def close(self) -> None:
-        for name in ("_syscall", "_io", "_mem"):
+        for name in ("_syscall", "_io", "_mem", "_children"):
             descriptor = getattr(self, name)
             if descriptor >= 0:
                 os.close(descriptor)
@@ -254,11 +330,18 @@ class BashObserver:
 
 def load_address(pid: int) -> int:
     """Where the first page of the bash binary is mapped in ``pid`` (the base its symbol offsets add to): the
-    mapping at file offset 0 of the executable's path (overlay files show their own path, not their inode)."""
-    path = os.readlink(f"/proc/{pid}/exe")
-    with open(f"/proc/{pid}/maps") as handle:
-        for line in handle:
-            fields = line.rstrip("\n").split(maxsplit=5)
-            if len(fields) == 6 and int(fields[2], 16) == 0 and fields[5] == path:
-                return int(fields[0].split("-")[0], 16)
+    mapping at file offset 0 of the executable's path (overlay files show their own path, not their inode).
+    Read in small pieces: the kernel writes the map as it is read, and the executable comes first."""
+    path = os.readlink(f"/proc/{pid}/exe").encode("utf-8", "surrogateescape")
+    descriptor = os.open(f"/proc/{pid}/maps", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        pending = b""
+        while chunk := os.read(descriptor, 1024):
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and int(fields[2], 16) == 0 and fields[5] == path:
+                    return int(fields[0].split(b"-")[0], 16)
+    finally:
+        os.close(descriptor)
     raise UnknownBash(f"the bash image of process {pid} is not in its memory map")

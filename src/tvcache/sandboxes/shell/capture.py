@@ -51,10 +51,12 @@ from .bash_observer import (
     ERR_TRAP,
     RETURN_TRAP,
     SIG_IGN,
+    FileIdentity,
     ShellGone,
     UnknownBash,
     elf_symbols,
     load_address,
+    per_file,
 )
 
 if TYPE_CHECKING:
@@ -99,6 +101,8 @@ __all__ = [
     "capture_refusal",
     "outside_sections",
     "parse_capture",
+    "prepare_capture",
+    "take_capture",
 ]
 
 CAPTURE_SIGNAL_NUMBER = 64  # SIGRTMAX on Linux (glibc); bash's trap_list is indexed by signal number
@@ -297,8 +301,8 @@ def _static_string(image: _Image, address: int) -> bytes | None:
     return image.data[offset:end] if end >= 0 else None
 
 
-@functools.lru_cache(maxsize=8)
-def _image(identity: tuple[int, int, int, int], path: str) -> _Image:
+@per_file
+def _image(identity: FileIdentity, path: str) -> _Image:
     try:
         data, symbols = elf_symbols(identity, path)
     except UnknownBash as unknown:
@@ -716,6 +720,12 @@ def _memory(shell: CapturedShell) -> BashMemory:
         weakref.finalize(shell, memory.close)
         _MEMORIES[shell] = memory
     return memory
+
+
+def prepare_capture(shell: CapturedShell) -> None:
+    """Make the shell's memory reader now (a warm shell, before the fork that will capture it): CaptureRefused
+    if its binary or memory cannot be read."""
+    _memory(shell)
 
 
 def take_capture(shell: CapturedShell, *, checked: bool = True) -> bytes:

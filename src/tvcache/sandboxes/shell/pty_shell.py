@@ -68,8 +68,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import SandboxError
-from .bash_observer import BashObserver, Idle, ShellGone, ShellReplaced
-from .capture import CAPTURE_PROTOCOL, CaptureRefused, take_capture
+from .bash_observer import BashObserver, Idle, ShellGone, ShellReplaced, UnknownBash
+from .capture import CAPTURE_PROTOCOL, CaptureRefused, prepare_capture, take_capture
 from .process import ShellResult
 from .zygote import Spawned, Zygote
 
@@ -308,7 +308,12 @@ class PtyShell:
                 READY if mount_fd is not None else WAITING, time.monotonic() + START_SECONDS, collected
             ):
                 raise SandboxError("the persistent shell did not become ready within 10 s")
-            if mount_fd is not None:
+            if mount_fd is None:
+                # A warm shell: the readers of its memory are made now, while it waits, not on a fork's path.
+                with contextlib.suppress(ShellReplaced, UnknownBash, CaptureRefused, OSError):
+                    _ = self.observer
+                    prepare_capture(self)
+            else:
                 self.escapes = boot_escapes(collected.kept)
             if mount_fd is not None and self.settle(time.monotonic() + START_SECONDS, booted=True) is None:
                 raise SandboxError("the persistent shell did not wait for its first command within 10 s")
@@ -381,6 +386,11 @@ class PtyShell:
         self._observer: BashObserver | None = None
         self._idle: Idle | None = None  # the state bash waited in after the last command
         self.escapes = {}
+        # The last prompts read (raw, and the escapes then) and what they decoded to.
+        self._prompts_seen: tuple[tuple[Any, Any], tuple[bytes | None, bytes | None, bytes | None]] = (
+            ((), None),
+            (None, None, None),
+        )
         self._others_after: dict[int, tuple[int, bool]] = {}  # the processes besides bash after the last call
         self._jobs_after: tuple[int, int] | None = None  # bash's job table then (None: no call yet)
         self.spawned = None
@@ -641,20 +651,26 @@ class PtyShell:
             self.close()
             return self._result(collected, None, background=True, died=True)
 
-    def _prompt_escapes(self) -> dict[str, str]:
-        """The boot's decoding of the fixed escapes, with ``\\s`` from bash's current ``$0``."""
-        return {**self.escapes, "s": os.path.basename(self.observer.shell_name())} if self.escapes else {}
+    def _decoded_prompts(self) -> tuple[bytes | None, bytes | None, bytes | None]:
+        """PS0, PS1 and PS2 as bash prints them (``decode_prompt``: None for one that is not fixed), with ``\\s``
+        from bash's current ``$0``. The last decoding is kept: most calls change no prompt."""
+        raw = self.observer.prompts()
+        read, decoded = self._prompts_seen
+        if raw != read[0] or self.escapes is not read[1]:
+            escapes = {**self.escapes, "s": os.path.basename(raw[3].decode("utf-8", "surrogateescape"))}
+            decoded = tuple(decode_prompt(prompt, escapes if self.escapes else {}) for prompt in raw[:3])  # type: ignore[assignment]
+            self._prompts_seen = (raw, self.escapes), decoded
+        return decoded
 
     def _fixed_prompts(self) -> tuple[bytes, bytes, bytes] | None:
         """PS0, PS1 and PS2 as bash prints them, when all three are fixed (``decode_prompt``), else None."""
         try:
-            escapes = self._prompt_escapes()
-            decoded = [decode_prompt(raw, escapes) for raw in self.observer.prompts()]
+            ps0, ps1, ps2 = self._decoded_prompts()
         except (ShellReplaced, OSError):
             return None
-        if any(prompt is None for prompt in decoded):
+        if ps0 is None or ps1 is None or ps2 is None:
             return None
-        return decoded[0] or b"", decoded[1] or b"", decoded[2] or b""
+        return ps0, ps1, ps2
 
     def _drain_ended(self, collected: OutputCollector) -> None:
         """What a shell that just ended printed last (``printf abc; exit 3``), read until its terminal closes."""
@@ -668,7 +684,7 @@ class PtyShell:
         if echo and kept.startswith(echo):
             kept = kept[len(echo) :]
         with contextlib.suppress(ShellReplaced, OSError):
-            ps2 = decode_prompt(self.observer.prompts()[2], self._prompt_escapes())
+            ps2 = self._decoded_prompts()[2]
             if ps2 and kept.endswith(ps2):
                 kept = kept[: len(kept) - len(ps2)]
         return kept
@@ -693,8 +709,7 @@ class PtyShell:
             if kept.startswith(echo):
                 kept = command.encode("utf-8", errors="surrogateescape") + b"\n" + kept[len(echo) :]
         with contextlib.suppress(ShellReplaced, OSError):
-            escapes = self._prompt_escapes()
-            ps0, ps1, _ = (decode_prompt(raw, escapes) for raw in self.observer.prompts())
+            ps0, ps1, _ = self._decoded_prompts()
             if ps0 and kept.startswith(ps0):
                 kept = kept[len(ps0) :]
             if ps1 and kept.endswith(ps1):
@@ -915,12 +930,10 @@ class PtyShell:
     def children(self) -> list[int]:
         """Processes whose parent is the shell; as PID 1 of its namespace it inherits every orphan, so this is
         empty exactly when the shell is the only process in its namespace."""
-        found: list[int] = []
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{self.pid}/task"):
-                with open(f"/proc/{self.pid}/task/{task}/children") as handle:
-                    found += [int(pid) for pid in handle.read().split()]
-        return found
+        try:
+            return self.observer.children()
+        except (ShellReplaced, OSError, UnknownBash):
+            return []
 
     def foreign_descriptors(self) -> list[str]:
         """The shell's open descriptors other than its terminal on 0, 1, 2 and 255 (bash's own copy)."""
