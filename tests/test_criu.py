@@ -9,6 +9,7 @@ CI does so before `make test`).
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import secrets
@@ -25,7 +26,16 @@ import pytest
 
 from tvcache.errors import CriuError, SandboxError
 from tvcache.sandboxes.shell import linux
-from tvcache.sandboxes.shell.criu import Criu, criu_unavailable_reason, discard_images, find_criu, required_version
+from tvcache.sandboxes.shell.criu import (
+    META_FILE,
+    Criu,
+    Keepers,
+    criu_unavailable_reason,
+    discard_images,
+    find_criu,
+    kernel_data_path,
+    required_version,
+)
 from tvcache.sandboxes.shell.linux import overlay_supported
 from tvcache.sandboxes.shell.sandbox import _confinement
 from tvcache.sandboxes.shell.zygote import Spawned, Zygote
@@ -410,6 +420,114 @@ def test_a_restore_leaves_the_forks_tree_usable_for_the_next(setting: tuple[Criu
         assert fresh.run("cat made-before") == "kept"
     finally:
         fresh.close()
+    discard_images(dumped.images)
+
+
+NETWORK = "cat /proc/net/dev | cut -d: -f1 | tr -d ' '; cat /proc/net/if_inet6; grep -c . /proc/net/route"
+
+
+@needs_criu
+def test_a_network_namespace_nothing_can_configure_is_made_anew_not_carried(
+    setting: tuple[Criu, Zygote, Trees],
+) -> None:
+    """The sandbox's processes lack CAP_NET_ADMIN, so its network namespace is exactly the zygote's new one
+    with its loopback up: the dump leaves it out (no ip(8) or iptables runs either way) and a restore makes it
+    again. The copy's network reads as the original's, and its server listens on its loopback."""
+    criu, zygote, trees = setting
+    original = Shell.start(zygote, trees.mount([trees.base]))
+    try:
+        original.run(SERVER)
+        assert answers_http(original)
+        network = original.run(NETWORK)
+        dumped = criu.dump(original.pid, trees.root / "images", tree_mountpoint=str(trees.base))
+    finally:
+        original.close()
+    assert json.loads((dumped.images / META_FILE).read_text())["network"] == "loopback"
+    shell, _ = restore_shell(criu, dumped.images, trees.mount([trees.base]))
+    try:
+        assert answers_http(shell)
+        assert shell.run(NETWORK) == network
+    finally:
+        shell.close()
+    discard_images(dumped.images)
+
+
+@needs_criu
+def test_restores_keep_the_kernel_probe_and_a_stale_one_is_probed_again(setting: tuple[Criu, Zygote, Trees]) -> None:
+    """CRIU's probe of the kernel (~30 ms a start) is kept for this boot in a directory of root's alone; a copy
+    that is not CRIU's (a kernel update, a truncated file) is found stale by CRIU, which probes again."""
+    criu, zygote, trees = setting
+    kept = kernel_data_path(criu.version)
+    assert kept is not None
+    original = Shell.start(zygote, trees.mount([trees.base]))
+    try:
+        original.run("V=probe")
+        dumped = criu.dump(original.pid, trees.root / "images", tree_mountpoint=str(trees.base))
+    finally:
+        original.close()
+    for content in (None, b"\x00not a kernel probe", b""):
+        if content is not None:
+            Path(kept).write_bytes(content)
+        shell, _ = restore_shell(criu, dumped.images, trees.mount([trees.base]))
+        try:
+            assert shell.run("echo $V") == "probe"
+        finally:
+            shell.close()
+        assert os.stat(kept).st_mode & 0o777 == 0o600
+        assert os.stat(os.path.dirname(kept)).st_mode & 0o077 == 0
+        assert Path(kept).read_bytes() != content  # CRIU's own probe replaced the stale copy
+    discard_images(dumped.images)
+
+
+def test_the_kernel_probe_is_never_read_from_a_directory_others_can_write(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    assert kernel_data_path((4, 2, 1), str(shared)) is None
+    private = tmp_path / "private"
+    found = kernel_data_path((4, 2, 1), str(private))
+    assert found is not None
+    assert found.startswith(str(private))
+    assert found.endswith("criu-4.2.1")
+    assert private.stat().st_mode & 0o777 == 0o700
+
+
+@needs_criu
+def test_keepers_started_ahead_serve_restores_and_end_with_close(setting: tuple[Criu, Zygote, Trees]) -> None:
+    criu, zygote, trees = setting
+    keepers = Keepers(size=1)
+    original = Shell.start(zygote, trees.mount([trees.base]))
+    try:
+        original.run("V=ahead")
+        dumped = criu.dump(original.pid, trees.root / "images", tree_mountpoint=str(trees.base))
+    finally:
+        original.close()
+    served = []
+    for _ in range(3):
+        deadline = time.monotonic() + 10
+        while not keepers.idle_pids() and served and time.monotonic() < deadline:
+            time.sleep(0.01)
+        waiting = keepers.idle_pids()
+        master, slave = os.openpty()
+        tty.setraw(slave)
+        try:
+            restored = criu.restore(
+                dumped.images, tty_fd=slave, tree_mount_fd=trees.mount([trees.base]), keepers=keepers
+            )
+        finally:
+            os.close(slave)
+        shell = Shell(master, restored.tree, restored.pid)
+        try:
+            assert shell.run("echo $V") == "ahead"
+            served.append(waiting)
+        finally:
+            shell.close()
+    assert all(len(waiting) == 1 for waiting in served[1:])  # each restore after the first took one started ahead
+    idle = keepers.idle_pids()
+    keepers.close()
+    for pid in idle:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+    assert keepers.idle_pids() == set()
     discard_images(dumped.images)
 
 

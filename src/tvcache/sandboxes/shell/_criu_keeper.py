@@ -1,8 +1,9 @@
 """The *keeper* of one CRIU-restored process tree: a small process that runs ``criu restore`` and is the parent
 of the tree it restores, for as long as the tree lives (see ``criu`` for the why).
 
-It runs in a fresh ``python -I -S`` interpreter (booted like the zygote, so it loads only light modules) and
-speaks the zygote's reply protocol on its channel, so the main process holds the tree through a plain
+It runs in a fresh ``python -I -S`` interpreter (booted like the zygote, so it loads only light modules),
+which may be started before the restore it serves (``criu.Keepers``): it waits for its request on its channel,
+then speaks the zygote's reply protocol there, so the main process holds the tree through a plain
 ``_zygote.Spawned``: ``{"pid": N}`` with the tree root's pidfd, then ``{"exited": code}``; or ``{"error": text}``
 alone when the restore fails (the text carries CRIU's log). Why a keeper rather than the main process as the
 parent: the restored root keeps the parent-death signal it was dumped with (the zygote's SIGKILL), which fires
@@ -30,7 +31,7 @@ import tempfile
 
 from . import linux
 from .cgroups import LimitWatch, TreeCgroup
-from .zygote_process import Confiner, make_mount_points, message, send
+from .zygote_process import Confiner, make_mount_points, message, receive, send
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -115,6 +116,50 @@ def _make_root(confinement: dict[str, object], scratch: str) -> str:
         os.chdir("/")
     linux.set_mount_attributes(target, linux.VIEW_ATTRIBUTES)
     return target
+
+
+KERNEL_DATA = "/run/criu.kdat"
+
+
+def _kernel_data_on_tmpfs(kept: str) -> bytes | None:
+    """CRIU probes the kernel at every start (~30 ms here: it makes a network namespace and a veth pair to
+    look) unless ``/run/criu.kdat`` holds what it found before, a file it keeps only on a tmpfs, which a
+    reboot clears; the host's /run need not be one. So in this process's mount namespace a tmpfs goes over
+    /run (the restored tree's own /run is a private tmpfs from its image, never the host's), holding the copy
+    ``kept`` for this boot and this CRIU (``criu.kernel_data_path``) when there is one: its bytes, or None."""
+    linux.unshare(linux.CLONE_NEWNS)
+    linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
+    linux.mount("tmpfs", "/run", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC, "mode=755")
+    try:
+        with open(kept, "rb") as source:
+            data = source.read()
+    except OSError:
+        return None
+    descriptor = os.open(KERNEL_DATA, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(descriptor, data)
+    finally:
+        os.close(descriptor)
+    return data
+
+
+def _keep_kernel_data(kept: str, seeded: bytes | None) -> None:
+    """Keep what CRIU found about the kernel (``_kernel_data_on_tmpfs``) for the next restore, when it is not
+    what this one was given (CRIU replaces a stale copy with its own probe)."""
+    try:
+        with open(KERNEL_DATA, "rb") as source:
+            data = source.read()
+        if data == seeded:
+            return
+        partial = f"{kept}.{os.getpid()}"
+        descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(descriptor, data)
+        finally:
+            os.close(descriptor)
+        os.replace(partial, kept)
+    except OSError:
+        pass  # the next restore probes again
 
 
 def _run_criu(channel: socket.socket, argv: list[str], keep: list[int], group: TreeCgroup | None) -> int | None:
@@ -210,26 +255,43 @@ def _keep(channel: socket.socket, pid: int, group: TreeCgroup | None) -> None:
         pass  # nobody listens any more
 
 
-def serve(channel_fd: int, request: str) -> NoReturn:
-    """The keeper's entry point. ``request``: JSON with ``argv`` (CRIU's, without the attach mapping),
-    ``pidfile``, ``log``, ``scratch``, ``mount_fd`` (or null), ``inherit`` (descriptors CRIU keeps) and
-    ``last_pid`` (or null: see ``_set_last_pid``)."""
+def serve(channel_fd: int) -> NoReturn:
+    """The keeper's entry point: it waits for one request on its channel (it may be started before it is
+    needed: ``criu.Keepers``), and exits when the channel closes first. The request: JSON with ``argv``
+    (CRIU's, without the descriptors and the attach mapping), ``pidfile``, ``log``, ``scratch``, ``inherit``
+    (CRIU's keys of the descriptors that come with the request, in order), ``mount`` (whether the sandbox's
+    tree, a detached mount, comes after them), ``tree_key``, ``root`` and ``cgroups`` (or null), ``last_pid``
+    (or null: see ``_set_last_pid``) and ``kernel_data`` (or null: see ``_kernel_data_on_tmpfs``)."""
     channel = socket.socket(fileno=channel_fd)
     os.set_inheritable(channel_fd, False)
+    try:
+        request, fds = receive(channel, bytearray(1 << 20), 8)
+    except OSError:
+        os._exit(0)
+    if not request:
+        os._exit(0)  # let go of before it was needed
     spec = json.loads(request)
+    inherit = fds[: len(spec["inherit"])]
+    mount_fd = fds[len(inherit)] if spec["mount"] and len(fds) > len(inherit) else None
     attached: str | None = None
     group: TreeCgroup | None = None
     try:
         if spec.get("cgroups") is not None:
             group = TreeCgroup.create(spec["cgroups"], f"criu-{os.getpid()}")
         argv = list(spec["argv"])
+        for fd, key in zip(inherit, spec["inherit"], strict=True):
+            argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
         if spec.get("root") is not None:
             argv += ["--root", _make_root(spec["root"], spec["scratch"])]
-        if spec["mount_fd"] is not None:
-            attached = _attach_tree(spec["mount_fd"], spec["scratch"])
+        if mount_fd is not None:
+            attached = _attach_tree(mount_fd, spec["scratch"])
             argv += ["--external", f"mnt[{spec['tree_key']}]:{attached}"]
-        code = _run_criu(channel, argv, spec["inherit"], group)
-        for fd in spec["inherit"]:
+        kept = spec.get("kernel_data")
+        seeded = _kernel_data_on_tmpfs(kept) if kept is not None else None
+        code = _run_criu(channel, argv, inherit, group)
+        if kept is not None and code == 0:
+            _keep_kernel_data(kept, seeded)
+        for fd in inherit:
             os.close(fd)
         _detach(attached)  # the restored tree has its own copy of the mount now
         attached = None

@@ -16,7 +16,13 @@ What crosses the boundary, and how:
   there; every other mount is the host's, seen read-only (``--ext-mount-map auto``);
 * nothing else: no other descriptor from outside is dumped or handed in (a tree holding one, such as a socket
   to the outside, fails to dump: the snapshot is declined). Network locking is skipped: the tree's network
-  namespace has only its own loopback.
+  namespace has only its own loopback. When no process of the tree can configure that namespace (no
+  CAP_NET_ADMIN: a sandbox's tree), it is not dumped at all: a restore makes a new one with its loopback up,
+  exactly what the zygote made (``_cannot_configure_network``), without CRIU's ip(8) and iptables runs.
+
+Speed: each restore's keeper is started ahead of it (``Keepers``, one kept idle per factory), and CRIU's probe
+of the kernel, which it keeps only on a tmpfs, is kept for this boot in a directory of root's and handed to
+every dump and restore on a tmpfs over /run in a mount namespace of their own (``kernel_data_path``).
 
 Each restored tree is held by a small *keeper* process (``_criu_keeper``), its parent, through the zygote's
 ``Spawned`` handle (``RestoredTree``): ``kill``, ``send_signal``, ``wait``, ``returncode`` as for a command the
@@ -47,6 +53,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -57,12 +64,14 @@ from ...errors import CriuError
 from ...private_storage import DIRECTORY_MODE, private_tree
 from .layers import owner_is_gone, process_tag
 from .zygote import Spawned
+from .zygote_process import send
 
 __all__ = [
     "INSTALLED_PATH",
     "Criu",
     "CriuDump",
     "CriuRestore",
+    "Keepers",
     "RestoredTree",
     "criu_unavailable_reason",
     "discard_images",
@@ -94,6 +103,19 @@ _MOUNTS = ("--ext-mount-map", "auto", "--enable-external-sharing", "--enable-ext
 # same to restore a container into another cgroup); ``=``: the mode is an optional argument.
 _CGROUPS = ("--manage-cgroups=ignore",)
 SCRATCH_PREFIX = "tvcache-criu-"
+# A dump is handed the probe of the kernel a restore kept (``kernel_data_path``, ``_criu_keeper``) the same
+# way: on a tmpfs over /run, in a mount namespace of its own; CRIU is exec'd, so that a timeout's signals reach
+# it alone. Without the tmpfs it probes, as it would anyway.
+_WITH_KERNEL_DATA = (
+    "unshare",
+    "--mount",
+    "--propagation",
+    "private",
+    "--",
+    "sh",
+    "-c",
+    'mount -t tmpfs -o mode=755,nosuid,nodev,noexec tmpfs /run 2>/dev/null && cat "$0" >/run/criu.kdat; exec "$@"',
+)
 _UMASK = 0o077  # what CRIU writes (images, logs, the restore's scratch) is its user's alone
 
 
@@ -185,10 +207,16 @@ class Criu:
                 argv += ["--external", tty]
             if tree_mountpoint is not None:
                 argv += ["--external", f"mnt[{tree_mountpoint}]:{TREE_KEY}"]
+            network = "loopback" if _cannot_configure_network(pid) else None
+            if network is not None:
+                argv += ["--empty-ns", "net"]
             # A tree in a root of its own has no other container's mount to leave out, and its host paths, bound
             # from an overlay root (a host that is a container itself), must not be.
             for mountpoint in _foreign_mounts(pid, tree_mountpoint) if root is None else []:
                 argv += ["--skip-mnt", mountpoint]
+            kept = kernel_data_path(self.version)
+            if kept is not None and shutil.which("unshare", path=CRIU_PATH) and os.path.isfile(kept):
+                argv = [*_WITH_KERNEL_DATA, kept, *argv]
             began = time.perf_counter()
             code, output = _run(argv, timeout)
             seconds = time.perf_counter() - began
@@ -198,6 +226,7 @@ class Criu:
                     f"{_log_tail(images / 'dump.log', output)}"
                 )
             meta: dict[str, object] = {"tty": tty, "tree": tree_mountpoint, "criu": ".".join(map(str, self.version))}
+            meta["network"] = network
             meta["root"] = dict(root) if root is not None else None
             (images / META_FILE).write_text(json.dumps(meta))
             private_tree(images)  # in case a CRIU ignores its umask for some file
@@ -216,13 +245,15 @@ class Criu:
         last_pid: int | None = None,
         timeout: float = RESTORE_TIMEOUT,
         cgroups: dict[str, object] | None = None,
+        keepers: Keepers | None = None,
     ) -> CriuRestore:
         """Restore a copy of the tree dumped in ``images``, in new namespaces, and return once it runs.
         ``tty_fd``: the new terminal (a pty slave) when the tree had one; ``tree_mount_fd``: the fork's tree (a
         detached mount) when the dump named a ``tree_mountpoint``; ``last_pid``: the last PID handed out in the
         dumped tree's PID namespace (its ``ns_last_pid``), so that the copy's next process gets the PID the
         original's would have (CRIU's own restore moves it); ``cgroups``: the spec of the copy's own cgroup
-        (``cgroups``: its limits, watched by the keeper), or None. The caller keeps its descriptors. Raises CriuError
+        (``cgroups``: its limits, watched by the keeper), or None; ``keepers``: where the restore's keeper process comes
+        from (None: one started now). The caller keeps its descriptors. Raises CriuError
         with CRIU's log when the restore fails; nothing is left running or mounted then."""
         images = Path(images)
         meta = _read_meta(images)
@@ -236,7 +267,7 @@ class Criu:
         tag = process_tag(os.getpid()) or f"{os.getpid()}-0"
         scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{tag}-"))
         try:
-            return self._restore(images, meta, scratch, tty_fd, tree_mount_fd, last_pid, timeout, cgroups)
+            return self._restore(images, meta, scratch, tty_fd, tree_mount_fd, last_pid, timeout, cgroups, keepers)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
@@ -249,7 +280,8 @@ class Criu:
         tree_mount_fd: int | None,
         last_pid: int | None,
         timeout: float,
-        cgroups: dict[str, object] | None = None,
+        cgroups: dict[str, object] | None,
+        keepers: Keepers | None,
     ) -> CriuRestore:
         argv = [self.path, "restore", "-D", str(images), "-W", str(scratch), "-o", "restore.log", *_MOUNTS, *_CGROUPS]
         # Detached, with the root as the keeper's child; `--root`: the tree's mounts are rebuilt under it, the
@@ -258,44 +290,37 @@ class Criu:
         argv += ["-d", "--restore-sibling", "--pidfile", str(scratch / "pid")]
         if meta.get("root") is None:
             argv += ["--root", "/"]
-        inherit = []
+        if meta.get("network") == "loopback":
+            script = scratch / "loopback-up"
+            script.write_text(_LOOPBACK_UP)
+            script.chmod(0o700)
+            argv += ["--empty-ns", "net", "--action-script", str(script)]
+        inherit: list[tuple[int, str]] = []  # (descriptor, CRIU's key)
         if meta.get("tty") and tty_fd is not None:
-            argv += ["--inherit-fd", f"fd[{tty_fd}]:{meta['tty']}"]
-            inherit.append(tty_fd)
+            inherit.append((tty_fd, str(meta["tty"])))
+        mount = bool(meta.get("tree"))
         spec = {
             "argv": argv,
             "pidfile": str(scratch / "pid"),
             "log": str(scratch / "restore.log"),
             "scratch": str(scratch),
-            "mount_fd": tree_mount_fd if meta.get("tree") else None,
+            "inherit": [key for _, key in inherit],
+            "mount": mount,
             "tree_key": TREE_KEY,
-            "inherit": inherit,
             "last_pid": last_pid,
             "root": meta.get("root"),
             "cgroups": cgroups,
+            "kernel_data": kernel_data_path(self.version),
         }
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         began = time.perf_counter()
+        keeper, mine = (keepers or Keepers(size=0)).take()
         try:
-            passed = [theirs.fileno(), *inherit]
-            if spec["mount_fd"] is not None:
-                passed.append(tree_mount_fd)  # type: ignore[arg-type]
-            keeper = subprocess.Popen(
-                [*_keeper_command(), str(theirs.fileno()), json.dumps(spec)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                cwd="/",
-                env={"PATH": CRIU_PATH},
-                pass_fds=passed,
-                start_new_session=True,
-                umask=_UMASK,
-            )
+            fds = [fd for fd, _ in inherit] + ([tree_mount_fd] if mount and tree_mount_fd is not None else [])
+            send(mine, json.dumps(spec).encode(), fds)
         except BaseException:
             mine.close()
+            _end_keeper(keeper)
             raise
-        finally:
-            theirs.close()
         tree = RestoredTree(mine, keeper)
         try:
             deadline = time.monotonic() + timeout
@@ -313,6 +338,119 @@ class Criu:
             tree.close()
             raise
         return CriuRestore(tree=tree, pid=tree.pid, seconds=time.perf_counter() - began)
+
+
+class Keepers:
+    """Keeper processes (``_criu_keeper``) started before the restores that use them: a new interpreter takes
+    ~35 ms to start and import the keeper, the longest step of a restore after CRIU's own. ``size`` idle ones
+    are kept (0: each started when it is needed); each serves one restore, and the next one is started as one is
+    taken. An idle keeper waits on its channel for the request, and exits when the channel closes: ``close``,
+    or the end of this process. Thread-safe."""
+
+    def __init__(self, size: int = 1) -> None:
+        self.size = size
+        self._idle: list[tuple[subprocess.Popen[bytes], socket.socket]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self) -> tuple[subprocess.Popen[bytes], socket.socket]:
+        """A keeper waiting for its request, and the channel to send it on (the caller owns both)."""
+        with self._lock:
+            taken = None
+            while self._idle and taken is None:
+                keeper, channel = self._idle.pop(0)
+                if keeper.poll() is None:
+                    taken = keeper, channel
+                else:
+                    channel.close()
+            missing = 0 if self._closed else self.size - len(self._idle)
+        if missing > 0:  # started behind, off the restore's path
+            threading.Thread(target=self._refill, args=(missing,), name="tvcache-criu-keepers", daemon=True).start()
+        return taken if taken is not None else _start_keeper()
+
+    def _refill(self, count: int) -> None:
+        for _ in range(count):
+            try:
+                self._add(_start_keeper())
+            except (OSError, CriuError):
+                return  # the next take starts its own
+
+    def idle_pids(self) -> set[int]:
+        """The process ids of the keepers waiting for a restore (for leak checks: they are not a restore's)."""
+        with self._lock:
+            return {keeper.pid for keeper, _ in self._idle}
+
+    def _add(self, started: tuple[subprocess.Popen[bytes], socket.socket]) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.size:
+                self._idle.append(started)
+                return
+        started[1].close()
+        _end_keeper(started[0])
+
+    def close(self) -> None:
+        """End the idle keepers (idempotent); those serving a restore live on with their trees."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for keeper, channel in idle:
+            channel.close()
+            _end_keeper(keeper)
+
+
+def _start_keeper() -> tuple[subprocess.Popen[bytes], socket.socket]:
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        keeper = subprocess.Popen(
+            [*_keeper_command(), str(theirs.fileno())],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd="/",
+            env={"PATH": CRIU_PATH},
+            pass_fds=[theirs.fileno()],
+            start_new_session=True,
+            umask=_UMASK,
+        )
+    except BaseException:
+        mine.close()
+        raise
+    finally:
+        theirs.close()
+    return keeper, mine
+
+
+def _end_keeper(keeper: subprocess.Popen[bytes]) -> None:
+    """Reap a keeper whose channel closed before it had a tree (it exits on its own then)."""
+    try:
+        keeper.wait(10)
+    except subprocess.TimeoutExpired:
+        keeper.kill()
+        keeper.wait()
+
+
+KERNEL_DATA_DIR = "/var/cache/tvcache/criu-kdat"
+
+
+@functools.cache
+def kernel_data_path(version: tuple[int, int, int], directory: str = KERNEL_DATA_DIR) -> str | None:
+    """Where restores keep CRIU's probe of this kernel, for this boot and this CRIU (``_criu_keeper``): in a
+    directory of this user's alone (a planted file would be believed); the copies of earlier boots are removed.
+    None when there is no such directory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+        os.makedirs(directory, mode=DIRECTORY_MODE, exist_ok=True)
+        info = os.lstat(directory)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        return None
+    for entry in os.listdir(directory):
+        if not entry.startswith(boot):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, entry))
+    return os.path.join(directory, f"{boot}-criu-{'.'.join(map(str, version))}")
 
 
 def discard_images(images: str | os.PathLike[str]) -> None:
@@ -440,6 +578,33 @@ def _tty_key(pid: int) -> str | None:
     return None
 
 
+CAP_NET_ADMIN = 12
+
+
+def _cannot_configure_network(pid: int) -> bool:
+    """Whether no process of the tree rooted at ``pid`` can change its network namespace (CAP_NET_ADMIN is
+    out of the root's bounding set, which every descendant inherits, and writes to /proc/sys need it too):
+    then that namespace is exactly a new one with its loopback up, as the zygote makes it, and a dump need not
+    save it (CRIU runs ip(8) and iptables-save, then -restore, five or six programs each way) - a restore makes
+    it again (``_LOOPBACK_UP``)."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("CapBnd:"):
+                    return not int(line.split()[1], 16) >> CAP_NET_ADMIN & 1
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+# CRIU's action script for a tree whose network namespace is a plain loopback (``_cannot_configure_network``):
+# once CRIU made the namespace, its loopback goes up, as the zygote's ioctl does for every new tree.
+_LOOPBACK_UP = """#!/bin/sh
+[ "$CRTOOLS_SCRIPT_ACTION" = setup-namespaces ] || exit 0
+exec nsenter --target "$CRTOOLS_INIT_PID" --net ip link set lo up
+"""
+
+
 def _foreign_mounts(pid: int, tree_mountpoint: str | None) -> list[str]:
     """Mounts the tree's namespace copied from the host that belong to other containers (their overlay roots,
     their network namespace files): they come and go with those containers, and a restore that must bind one
@@ -521,7 +686,7 @@ import importlib, sys, types
 package = types.ModuleType("_tvcache_criu")
 package.__path__ = [sys.argv[1]]
 sys.modules["_tvcache_criu"] = package
-importlib.import_module("_tvcache_criu._criu_keeper").serve(int(sys.argv[2]), sys.argv[3])
+importlib.import_module("_tvcache_criu._criu_keeper").serve(int(sys.argv[2]))
 """
 
 

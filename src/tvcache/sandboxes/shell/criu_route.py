@@ -100,6 +100,7 @@ class CriuRoute:
                 tree_mount_fd=launch.mount_fd,
                 last_pid=int(image["last_pid"]),
                 cgroups=launch.cgroups,
+                keepers=launch.keepers,
             )
         except BaseException:
             os.close(terminal.master)

@@ -113,7 +113,7 @@ class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
 
         if image is None:
             return cold("", None)
-        launch = ShellLaunch(fresh=restored, mount_fd=mount_fd, cgroups=factory.cgroups)
+        launch = ShellLaunch(fresh=restored, mount_fd=mount_fd, cgroups=factory.cgroups, keepers=factory.criu_keepers())
         return route_of(image, ROUTES).restore(launch, image)
 
     # ---------------------------------------------------------- execute

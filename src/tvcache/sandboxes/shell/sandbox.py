@@ -52,6 +52,7 @@ from ...errors import SandboxError, SnapshotDeclined, SnapshotUnusable
 from ...protocol import Outcome, Snapshot
 from ..folder import SH_TOOL, FolderSandbox, FolderSandboxFactory
 from . import linux
+from .criu import Keepers
 from .host_view import HostView, build_confinement, describe
 from .layers import Layer, LayerStore, upper_digest
 from .limits import DEFAULT_LIMITS, SandboxLimits, cgroup_spec
@@ -155,6 +156,7 @@ class ShellSandboxFactory:
         # comes from the sandbox's own tree there, which a warm shell cannot have before its fork.
         self.warm_shells = 2 if persistent and not rootfs else 0
         self._warm: WarmShells | None = None
+        self._keepers: Keepers | None = None
         self._routes: Counter[str] = Counter()
         self._routes_lock = threading.Lock()
         self.store = LayerStore(Path(store_root) if store_root is not None else None)
@@ -213,6 +215,16 @@ class ShellSandboxFactory:
                 self._warm = WarmShells(make, key, size=self.warm_shells)
             return self._warm
 
+    def criu_keepers(self) -> Keepers | None:
+        """The keeper processes started ahead for CRIU restores of this factory's shells (``criu.Keepers``), made
+        on first use; None for a factory whose shells are not persistent."""
+        if not self.persistent:
+            return None
+        with self._routes_lock:
+            if self._keepers is None:
+                self._keepers = Keepers()
+            return self._keepers
+
     def route_counts(self) -> dict[str, int]:
         """Snapshots of this factory's persistent shells by route ("shell-state", "declined", ...)."""
         with self._routes_lock:
@@ -255,9 +267,12 @@ class ShellSandboxFactory:
         working."""
         with self._routes_lock:
             warm, self._warm = self._warm, None
+            keepers, self._keepers = self._keepers, None
             self.warm_shells = 0
         if warm is not None:
             warm.close()
+        if keepers is not None:
+            keepers.close()
         self.zygote.close()
         self.store.close()
 

@@ -115,6 +115,7 @@ class ShellLaunch:
     fresh: Callable[[str, int | None], PtyShell]
     mount_fd: int
     cgroups: dict[str, object] | None = None  # the spec of a restored tree's cgroup (``cgroups``), or None
+    keepers: Any = None  # where a CRIU restore's keeper process comes from (``criu.Keepers``), or None
 
 
 class SnapshotStrategy(Protocol):

@@ -114,10 +114,13 @@ class WarmShells:
 
     def wait_ready(self, count: int | None = None, timeout: float = 10.0) -> bool:
         """Wait until ``count`` warm shells (default: the pool's size) are ready, or the pool closed; False at the
-        timeout. For benchmarks and tests, which must not time a refill that overlaps what they measure."""
+        timeout. For benchmarks and tests, which must not time a refill that overlaps what they measure. A pool
+        never taken from has no refill going on (it fills on first use): nothing to wait for."""
         wanted = self._size if count is None else count
         with self._condition:
-            return self._condition.wait_for(lambda: self._closed or len(self._ready) >= wanted, timeout)
+            return self._condition.wait_for(
+                lambda: self._closed or self._thread is None or len(self._ready) >= wanted, timeout
+            )
 
     def __len__(self) -> int:
         with self._condition:

@@ -95,7 +95,10 @@ class Spawned:
         ready, _, _ = select.select([self._channel], [], [], timeout)
         if not ready:
             return False
-        data, fds = receive(self._channel, self._buffer, 1)
+        try:
+            data, fds = receive(self._channel, self._buffer, 1)
+        except ConnectionResetError:  # it ended without reading what it was sent
+            data, fds = b"", []
         if not data:  # every sender is gone: the zygote died, or gave up on this command
             for fd in fds:
                 os.close(fd)
