@@ -31,7 +31,7 @@ import tempfile
 
 from . import linux
 from .cgroups import LimitWatch, TreeCgroup
-from .zygote_process import Confiner, make_mount_points, message, receive, send
+from .zygote_process import Confiner, loopback_up, make_mount_points, message, receive, send
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -260,10 +260,16 @@ def serve(channel_fd: int) -> NoReturn:
     needed: ``criu.Keepers``), and exits when the channel closes first. The request: JSON with ``argv``
     (CRIU's, without the descriptors and the attach mapping), ``pidfile``, ``log``, ``scratch``, ``inherit``
     (CRIU's keys of the descriptors that come with the request, in order), ``mount`` (whether the sandbox's
-    tree, a detached mount, comes after them), ``tree_key``, ``root`` and ``cgroups`` (or null), ``last_pid``
+    tree, a detached mount, comes after them), ``tree_key``, ``root`` and ``cgroups`` (or null), ``network``
+    ("loopback": the tree joins the keeper's new network namespace, see ``criu``), ``last_pid``
     (or null: see ``_set_last_pid``) and ``kernel_data`` (or null: see ``_kernel_data_on_tmpfs``)."""
     channel = socket.socket(fileno=channel_fd)
     os.set_inheritable(channel_fd, False)
+    # The network namespace a tree that cannot configure its own joins (``network`` "loopback"), made while
+    # the keeper waits: a new one with its loopback up, as the zygote makes each tree's.
+    host_network = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    linux.unshare(linux.CLONE_NEWNET)
+    loopback_up()
     try:
         request, fds = receive(channel, bytearray(1 << 20), 8)
     except OSError:
@@ -281,6 +287,11 @@ def serve(channel_fd: int) -> NoReturn:
         argv = list(spec["argv"])
         for fd, key in zip(inherit, spec["inherit"], strict=True):
             argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
+        if spec.get("network") == "loopback":
+            argv += ["--join-ns", f"net:/proc/{os.getpid()}/ns/net"]
+        else:  # CRIU restores the dumped namespace itself, from the host's
+            linux.setns(host_network, linux.CLONE_NEWNET)
+        os.close(host_network)
         if spec.get("root") is not None:
             argv += ["--root", _make_root(spec["root"], spec["scratch"])]
         if mount_fd is not None:

@@ -17,7 +17,7 @@ What crosses the boundary, and how:
 * nothing else: no other descriptor from outside is dumped or handed in (a tree holding one, such as a socket
   to the outside, fails to dump: the snapshot is declined). Network locking is skipped: the tree's network
   namespace has only its own loopback. When no process of the tree can configure that namespace (no
-  CAP_NET_ADMIN: a sandbox's tree), it is not dumped at all: a restore makes a new one with its loopback up,
+  CAP_NET_ADMIN: a sandbox's tree), it is not dumped at all: a restore joins a new one with its loopback up,
   exactly what the zygote made (``_cannot_configure_network``), without CRIU's ip(8) and iptables runs.
 
 Speed: each restore's keeper is started ahead of it (``Keepers``, one kept idle per factory), and CRIU's probe
@@ -290,11 +290,6 @@ class Criu:
         argv += ["-d", "--restore-sibling", "--pidfile", str(scratch / "pid")]
         if meta.get("root") is None:
             argv += ["--root", "/"]
-        if meta.get("network") == "loopback":
-            script = scratch / "loopback-up"
-            script.write_text(_LOOPBACK_UP)
-            script.chmod(0o700)
-            argv += ["--empty-ns", "net", "--action-script", str(script)]
         inherit: list[tuple[int, str]] = []  # (descriptor, CRIU's key)
         if meta.get("tty") and tty_fd is not None:
             inherit.append((tty_fd, str(meta["tty"])))
@@ -311,6 +306,7 @@ class Criu:
             "root": meta.get("root"),
             "cgroups": cgroups,
             "kernel_data": kernel_data_path(self.version),
+            "network": meta.get("network"),
         }
         began = time.perf_counter()
         keeper, mine = (keepers or Keepers(size=0)).take()
@@ -585,8 +581,8 @@ def _cannot_configure_network(pid: int) -> bool:
     """Whether no process of the tree rooted at ``pid`` can change its network namespace (CAP_NET_ADMIN is
     out of the root's bounding set, which every descendant inherits, and writes to /proc/sys need it too):
     then that namespace is exactly a new one with its loopback up, as the zygote makes it, and a dump need not
-    save it (CRIU runs ip(8) and iptables-save, then -restore, five or six programs each way) - a restore makes
-    it again (``_LOOPBACK_UP``)."""
+    save it (CRIU runs ip(8) and iptables-save, then -restore, five or six programs each way): a restore joins
+    such a new one, which its keeper made while it waited (``_criu_keeper``)."""
     try:
         with open(f"/proc/{pid}/status") as handle:
             for line in handle:
@@ -595,14 +591,6 @@ def _cannot_configure_network(pid: int) -> bool:
     except (OSError, ValueError):
         pass
     return False
-
-
-# CRIU's action script for a tree whose network namespace is a plain loopback (``_cannot_configure_network``):
-# once CRIU made the namespace, its loopback goes up, as the zygote's ioctl does for every new tree.
-_LOOPBACK_UP = """#!/bin/sh
-[ "$CRTOOLS_SCRIPT_ACTION" = setup-namespaces ] || exit 0
-exec nsenter --target "$CRTOOLS_INIT_PID" --net ip link set lo up
-"""
 
 
 def _foreign_mounts(pid: int, tree_mountpoint: str | None) -> list[str]:

@@ -89,6 +89,12 @@ def request_header(data: bytes) -> dict[str, object]:
     return header
 
 
+def loopback_up() -> None:
+    """Bring up the loopback of this process's network namespace (a new one has it down)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        fcntl.ioctl(probe, _SIOCSIFFLAGS, _LOOPBACK_UP)
+
+
 def message(**fields: object) -> bytes:
     return json.dumps(fields).encode()
 
@@ -307,8 +313,7 @@ class Confiner:
             os.makedirs(self.base, exist_ok=True)
 
     def loopback_up(self) -> None:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            fcntl.ioctl(probe, _SIOCSIFFLAGS, _LOOPBACK_UP)
+        loopback_up()
 
     def set_identity(self) -> None:
         """The hostname, then the capabilities bash will not get: dropping them from the bounding set limits
