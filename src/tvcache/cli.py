@@ -24,7 +24,10 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"tvcache bench server: {error}", file=sys.stderr)
             return 2
         rates = [int(rate) for rate in args.rates.split(",")]
-        return server.run(rates=rates, duration=args.duration, keys=args.keys, shards=args.shards, json_path=args.json)
+        return server.run(
+            rates=rates, duration=args.duration, keys=args.keys, shards=args.shards, json_path=args.json,
+            baseline=args.baseline,
+        )  # fmt: skip
     if args.name == "ray":
         import os
 
@@ -52,8 +55,12 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench import shell
 
         gaps = tuple(float(gap) for gap in args.gaps.split(","))
-        shell.run(repeats=args.calls, gaps_ms=gaps, json_path=args.json)
+        shell.run(repeats=args.calls or 200, gaps_ms=gaps, json_path=args.json)
         return 0
+    if args.name == "reopen":
+        from .bench import reopen
+
+        return reopen.run(calls=args.calls or 1_000_000, tasks=args.tasks, tail=args.tail, json_path=args.json)
     if args.name == "published":
         from .bench import published
 
@@ -279,13 +286,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name",
-        choices=["lookup", "server", "fork", "shell", "published", "ray"],
+        choices=["lookup", "server", "fork", "shell", "published", "ray", "reopen"],
         help="lookup: prefix-match latency and bytes per node; server: open-loop HTTP load on `tvcache serve`; "
         "fork: overlay fork and snapshot latency next to copying the tree (root); shell: per-command latency of "
         "confined shell sandboxes next to folder sandboxes, and where the time goes (root; --calls, --gaps); "
         "published: forking a shell snapshot another process published through a shared store, next to "
         "rebuilding it by replay (root, GNU tar; --layers, --publish-repeats); "
-        "ray: Ray shard actors vs HTTP shards under the same lookup load (--rates, --duration, --keys, --shards)",
+        "ray: Ray shard actors vs HTTP shards under the same lookup load (--rates, --duration, --keys, --shards); "
+        "reopen: Cache(dir) and its first lookup on a large journal, from its checkpoint next to the journal alone "
+        "(--calls, --tasks, --tail)",
     )
     bench.add_argument("--nodes", type=int, default=100_000, help="graph size for lookup (default 100000)")
     bench.add_argument("--repeats", type=int, default=2000, help="lookups timed per depth (default 2000)")
@@ -295,13 +304,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--duration", type=float, default=3.0, help="server: seconds of load per rate (default 3)")
     bench.add_argument("--keys", type=int, default=8192, help="server: keys populated before the load (8192)")
     bench.add_argument("--shards", type=int, default=1, help="server: shard processes behind the load (default 1)")
+    bench.add_argument("--baseline", metavar="SRC", default=None, help="server: also load another checkout's server, "
+                       "run from its src directory with this venv, rate by rate beside ours")  # fmt: skip
     bench.add_argument("--sizes", default="10,1024", help="fork: base tree sizes in MB (default 10,1024)")
     bench.add_argument("--fork-repeats", type=int, default=200, help="fork: overlay forks timed per size (200)")
     bench.add_argument(
         "--docker", action="store_true", help="fork: image-overlay fork vs docker commit+run, checkpoint restore"
     )
     bench.add_argument("--docker-image", default="tvcache-base:bookworm", help="fork --docker: the image (local)")
-    bench.add_argument("--calls", type=int, default=200, help="shell: calls timed per command and backend (200)")
+    bench.add_argument(
+        "--calls", type=int, default=None, help="shell: calls timed per command and backend (200); reopen: recorded "
+        "calls in the journal (1000000)"
+    )  # fmt: skip
+    bench.add_argument("--tasks", type=int, default=64, help="reopen: tasks the calls are spread over (64)")
+    bench.add_argument("--tail", type=int, default=None, help="reopen: calls after the checkpoint (1%% of --calls)")
     bench.add_argument("--gaps", default="0,20", help="shell: think times between calls in ms (default 0,20)")
     bench.add_argument(
         "--layers", default="10x0,1000x1,2000x32", help="published: FILESxMIB written per layer (10x0,1000x1,2000x32)"

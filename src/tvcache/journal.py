@@ -12,8 +12,10 @@ completed (so never acknowledged): it is copied aside and truncated so new recor
 kept in place, and only a rewrite (compaction) removes it, after copying it aside. Copies go next to the
 journal: ``journal.torn-<UTC time>`` for a torn tail, ``journal.damaged-<UTC time>`` for what a rewrite dropped.
 What a damaged line held is the caller's to judge (``salvage`` reads what is still legible); ``Journal.scan`` says
-what was found. A lock file keeps a second process from writing the same journal, and a ``journal.compact`` left
-by a process killed while compacting is removed on load.
+what was found. A rewrite says which bytes it wrote (``Prefix``: size, lines, CRC-32), so that a checkpoint
+(``tvcache.store.checkpoint``) can name the journal it describes; ``covers`` checks a prefix against the file,
+and ``load(after=...)`` reads only what follows it. A lock file keeps a second process from writing the same
+journal, and a ``journal.compact`` left by a process killed while compacting is removed on load.
 
 The journal holds every call of every rollout and its output: its directory is 0700 and each file 0600, whatever
 the umask (``tvcache.private_storage``), and a directory or journal an older version left readable is tightened
@@ -31,14 +33,14 @@ import threading
 import time
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import JournalError
 from .private_storage import FILE_MODE, make_private, private_directory
 
-__all__ = ["DamagedLine", "Journal", "JournalScan", "JournalWarning", "Rewrite", "decode", "salvage"]
+__all__ = ["DamagedLine", "Journal", "JournalScan", "JournalWarning", "Prefix", "Rewrite", "decode", "salvage"]
 
 
 class JournalWarning(UserWarning):
@@ -68,11 +70,23 @@ class JournalScan:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Prefix:
+    """The first ``size`` bytes of a journal: ``lines`` whole lines whose bytes have the CRC-32 ``crc``."""
+
+    size: int
+    lines: int
+    crc: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Rewrite:
-    """A finished rewrite: how many records the journal now holds, and where what it dropped was copied."""
+    """A finished rewrite: how many records the journal now holds, and where what it dropped was copied.
+    ``written`` names the bytes written (what a checkpoint of them covers); it describes the file, not the
+    outcome, so it takes no part in comparisons."""
 
     records: int
     set_aside: Path | None
+    written: Prefix = field(default=Prefix(size=0, lines=0, crc=0), compare=False)
 
 
 def _encode(record: dict[str, Any]) -> bytes:
@@ -173,21 +187,26 @@ class Journal:
         self._end = 0  # the journal's size: where the next record starts, and where a failed one is cut back to
         self._broken: str | None = None  # why appends are refused after a failed record could not be cut back
 
-    def load(self) -> Iterator[tuple[int, dict[str, Any]]]:
+    def load(self, *, after: Prefix | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
         """Yield ``(line number, record)`` for every intact record; afterwards ``scan`` says what else was found.
-        Truncates a torn tail (after copying it aside), keeps damaged lines. Call once, before the first append."""
+        Truncates a torn tail (after copying it aside), keeps damaged lines. Call once, before the first append.
+        ``after``: skip a prefix the caller holds otherwise (a checkpoint's; check it with ``covers`` first): only
+        the lines after it are read, numbered on from it, and only damage there is found."""
         removed = self._remove_interrupted_compaction()
         if not self.path.exists():
             self.scan = JournalScan(removed=removed)
             self._open_for_append()
             return
+        start = after.size if after is not None else 0
         try:
-            data = self.path.read_bytes()
+            with open(self.path, "rb") as handle:
+                handle.seek(start)
+                data = handle.read()
         except OSError as error:
             raise JournalError(f"cannot read the journal {self.path}: {error}") from error
         damaged: list[DamagedLine] = []
         offset = 0
-        number = 0
+        number = after.lines if after is not None else 0
         complete = data.rfind(b"\n") + 1  # everything after the last newline is a torn tail
         while offset < complete:
             end = data.index(b"\n", offset) + 1
@@ -199,22 +218,43 @@ class Journal:
             else:
                 records, left = split_merged(line)
                 if left is not None:
-                    damaged.append(DamagedLine(line=number, offset=offset, data=left))
+                    damaged.append(DamagedLine(line=number, offset=start + offset, data=left))
                 for part in records:
                     yield number, part
             offset = end
         torn = None
         set_aside = None
         if complete < len(data):
-            torn = DamagedLine(line=number + 1, offset=complete, data=data[complete:])
+            torn = DamagedLine(line=number + 1, offset=start + complete, data=data[complete:])
             set_aside = self._set_aside_quietly([torn.data])
             try:
                 with open(self.path, "r+b") as handle:
-                    handle.truncate(complete)
+                    handle.truncate(start + complete)
             except OSError as error:
                 raise JournalError(f"cannot truncate the torn tail of {self.path}: {error}") from error
         self.scan = JournalScan(damaged=tuple(damaged), torn_tail=torn, set_aside=set_aside, removed=removed)
         self._open_for_append()
+
+    def covers(self, prefix: Prefix) -> bool:
+        """Whether the journal begins with exactly the bytes ``prefix`` names (their CRC-32 is computed: any byte
+        changed, cut or rewritten since shows). Reads at the speed of CRC-32, a few GB/s."""
+        remaining = prefix.size
+        crc = 0
+        try:
+            with open(self.path, "rb", buffering=0) as handle:
+                chunk = bytearray(1 << 20)
+                view = memoryview(chunk)
+                while remaining > 0:
+                    read = handle.readinto(view[: min(remaining, len(chunk))])
+                    if not read:
+                        return False  # the journal is shorter than the prefix
+                    crc = zlib.crc32(view[:read], crc)
+                    remaining -= read
+        except FileNotFoundError:
+            return False
+        except OSError as error:
+            raise JournalError(f"cannot read the journal {self.path}: {error}") from error
+        return crc == prefix.crc
 
     def _remove_interrupted_compaction(self) -> tuple[Path, ...]:
         """A rewrite replaces the journal only once its copy is complete, so a copy still lying here was cut
@@ -277,6 +317,8 @@ class Journal:
         apply — is first copied aside, in journal order. If anything fails, the journal is left as it was."""
         tmp = self.directory / self.COMPACT
         count = 0
+        size = 0
+        crc = 0
         if self._lock_fd < 0:
             raise JournalError(f"journal {self.path} is closed; it cannot be rewritten")
         dropped = sorted(
@@ -288,7 +330,10 @@ class Journal:
             try:
                 with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as handle:
                     for record in records:
-                        handle.write(_encode(record))
+                        line = _encode(record)
+                        handle.write(line)
+                        crc = zlib.crc32(line, crc)
+                        size += len(line)
                         count += 1
                     handle.flush()
                     os.fsync(handle.fileno())
@@ -305,7 +350,7 @@ class Journal:
             self._broken = None  # a fragment a failed append could not cut off went with the old file
             self._open_for_append()
             self.scan = JournalScan(removed=self.scan.removed)  # the damage is no longer in the journal
-        return Rewrite(records=count, set_aside=set_aside)
+        return Rewrite(records=count, set_aside=set_aside, written=Prefix(size=size, lines=count, crc=crc))
 
     def _set_aside(self, lines: list[bytes], *, prefix: str = "journal.damaged-") -> Path:
         """Write ``lines`` to a new ``<prefix><UTC time>[-n]`` file, durably, and return its path."""

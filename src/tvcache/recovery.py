@@ -14,6 +14,11 @@ Leftovers of killed processes are removed: snapshot files the cache named itself
 record mentions (a kill between writing a snapshot and journaling it), and — in ``tvcache.journal`` — an
 interrupted compaction's ``journal.compact``. Snapshots whose storage is gone (``tvcache.store.durable``) are
 dropped, their files under ``snapshots/`` removed, and counted in ``JournalRecovery.dropped``.
+
+A checkpoint (``tvcache.store.checkpoint``) stands in for the journal lines it covers, and what replay would have
+noted of those lines (``LoadNotes``) is kept in it. One that cannot be used — damaged, of another format, or not
+describing the journal's bytes any more — is removed and the journal replayed alone, exactly as without it; the
+warning says so (``JournalRecovery.checkpoint``).
 """
 
 from __future__ import annotations
@@ -92,7 +97,9 @@ class JournalRecovery:
     them). ``removed``: leftovers of killed processes (orphan snapshot files, an interrupted compaction).
     ``dropped``: the paths of snapshots dropped because their storage is gone (the layers of a shell snapshot die
     with the process that made them unless it was published); what they left under ``snapshots/`` was removed.
-    Dropping one costs only reuse, so it is not a lost record."""
+    Dropping one costs only reuse, so it is not a lost record. ``from_checkpoint``: how many journal lines a
+    checkpoint stood in for (0: the journal was replayed whole). ``checkpoint``: why a checkpoint found here was
+    not used (then it was removed, and the journal replayed whole); costs only time."""
 
     journal: str
     damaged: tuple[DamagedRecord, ...] = ()
@@ -105,6 +112,8 @@ class JournalRecovery:
     set_aside: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
+    from_checkpoint: int = 0
+    checkpoint: str | None = None
 
     @property
     def lost_records(self) -> bool:
@@ -153,6 +162,11 @@ class JournalRecovery:
             )
         elif self.lost_records:
             parts.append("the damaged lines stay in the journal until a compaction copies them aside")
+        if self.checkpoint:
+            parts.append(
+                f"its checkpoint was not used ({self.checkpoint}), so the whole journal was replayed (nothing is "
+                "lost: the journal holds every record); a compaction writes a new one"
+            )
         if self.dropped:
             parts.append(
                 f"{len(self.dropped)} snapshot(s) whose storage is gone were dropped (a shell snapshot's layers end "
@@ -179,12 +193,29 @@ def _ranges(ids: Iterable[int]) -> str:
 
 class LoadNotes:
     """What replay needs to know about the intact records besides applying them: the tools the journal names,
-    the last line that speaks of each tool tool-wide, and the snapshot file names any record mentions."""
+    the last line that speaks of each tool tool-wide, and the snapshot file names any record mentions. A
+    checkpoint keeps the notes of the lines it covers (``to_json``, ``from_json``)."""
 
     def __init__(self) -> None:
         self.tools: set[str] = set()
         self.tool_wide: dict[str, int] = {}
         self.snapshot_names: set[str] = set()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tools": sorted(self.tools),
+            "tool_wide": sorted(self.tool_wide.items()),
+            "snapshot_names": sorted(self.snapshot_names),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LoadNotes:
+        """ValueError (or TypeError) unless ``data`` has the shape ``to_json`` gives."""
+        notes = cls()
+        notes.tools = {str(tool) for tool in data["tools"]}
+        notes.tool_wide = {str(tool): int(line) for tool, line in data["tool_wide"]}
+        notes.snapshot_names = {str(name) for name in data["snapshot_names"]}
+        return notes
 
     def note(self, line: int, record: dict[str, Any]) -> None:
         kind = record.get("t")

@@ -9,6 +9,17 @@ A snapshot record whose storage is gone (``Snapshot.exists`` fails: a shell snap
 the process that made them, so after a restart they are gone unless the snapshot was published, and then
 ``publication_available`` keeps it) is dropped on open, and what it left in the cache's own ``snapshots/``
 directory (its file, a CRIU image beside it) is removed with it: nothing will ever fork or evict it again.
+
+Opening does not grow with the cache: a compaction also writes a checkpoint of what it wrote
+(``tvcache.store.checkpoint``), and an open that finds one describing the journal's first bytes takes the
+records that belong to no graph from it, replays only the journal's tail, and leaves each task of the checkpoint
+*pending*: its nodes are read the first time the task is used (``LocalStore.graph``), and the tail's records for
+it are applied then, in journal order. Everything recovery accounts for is still found while opening: damage in
+the tail loads the pending tasks it may concern first, so lost calls are grouped as before, and snapshot records
+are checked for their storage without loading their task. Only a record that does not apply although nothing is
+damaged — something no tvcache writes — is found when its task is loaded, and reported then (``load_task``).
+A compaction is due when opening finds the journal mostly dead, and when closing finds ``CHECKPOINT_TAIL``
+records or more not covered by a checkpoint.
 """
 
 from __future__ import annotations
@@ -16,8 +27,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from collections.abc import Iterable, Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,6 +49,7 @@ from ..recovery import (
 )
 from ..results import NondeterminismMark
 from ..snapshots.publication import publication_available
+from .checkpoint import Checkpoint, CheckpointUnusable, CheckpointWriter, TaskSection, remove, remove_partial
 from .records import (
     CheckedRecord,
     DetachRecord,
@@ -50,7 +62,34 @@ from .records import (
     parse,
 )
 
-__all__ = ["DurableState", "apply_to_graph", "compact", "load", "records"]
+__all__ = [
+    "CHECKPOINT_TAIL",
+    "DurableState",
+    "PendingTask",
+    "apply_to_graph",
+    "compact",
+    "load",
+    "load_task",
+    "records",
+]
+
+# Records not covered by a checkpoint past which closing compacts: replaying them costs ~0.3 s at the next open.
+CHECKPOINT_TAIL = 20_000
+_GRAPH_RECORDS = (NodeRecord, SnapshotRecord, DetachRecord, TestRecord, RemoveRecord)
+_LOAD_ERRORS = (KeyError, ValueError, TypeError, InvalidToolCall)
+Failure = tuple[int, dict[str, Any], BaseException]  # a journal line whose record did not apply, and why
+
+
+@dataclass(eq=False, kw_only=True)
+class PendingTask:
+    """A task of the checkpoint whose nodes are not read yet: where they are, its snapshot records that passed
+    the open-time check for their storage, and the journal tail's records for it (line, JSON, record), applied
+    after the nodes when the task is first used."""
+
+    section: TaskSection
+    snapshots: list[SnapshotRecord]
+    deferred: list[tuple[int, dict[str, Any], Record]] = field(default_factory=list)
+    snapshots_changed: bool = False  # a deferred record attaches, detaches or removes: ``snapshots`` may be off
 
 
 class DurableState(Protocol):
@@ -62,6 +101,10 @@ class DurableState(Protocol):
     dropped: list[SnapshotRecord]
     verify_snapshots: bool
     snapshot_root: Path
+    root: Path
+    checkpoint: Checkpoint | None
+    pending: dict[str, PendingTask]
+    records_since_checkpoint: int
 
     @property
     def lock(self) -> threading.RLock: ...
@@ -84,33 +127,52 @@ class DurableState(Protocol):
 
     def release_dropped(self, snapshot: Snapshot) -> None: ...
 
+    def load_pending(self, task_id: str) -> list[Failure]: ...
+
+    def live_nodes(self) -> int: ...
+
+    def attached_snapshots(self) -> list[Snapshot]: ...
+
 
 def load(store: DurableState, *, compact_due: bool) -> None:
-    """Replay the journal, then deal with what it held besides intact records (``_recover``). If the store
-    cannot open, the journal is closed again before the error propagates."""
+    """Take what a checkpoint holds (``_take_checkpoint``) and replay the journal's tail after it (or the whole
+    journal), then deal with what the journal held besides intact records (``_recover``). If the store cannot
+    open, the journal is closed again before the error propagates."""
     journal = store.journal
     assert journal is not None
     make_private(store.snapshot_root)  # an older version's 0755 one
-    notes = LoadNotes()
-    count = 0
-    errors: list[BaseException] = []
+    failures: list[Failure] = []
     try:
-        for line, data in journal.load():
+        checkpoint, unused = _take_checkpoint(store, journal)
+        notes = checkpoint.notes if checkpoint is not None else LoadNotes()
+        covered = checkpoint.prefix.lines if checkpoint is not None else 0
+        count = covered
+        for line, data in journal.load(after=checkpoint.prefix if checkpoint is not None else None):
             count += 1
             notes.note(line, data)
             try:
                 record = parse(data)
-                store.apply(record)
+                pending = store.pending.get(record.task_id) if isinstance(record, _GRAPH_RECORDS) else None
+                if pending is not None:
+                    _defer(store, pending, line, data, record)
+                else:
+                    store.apply(record)
                 if isinstance(record, DetachRecord) and store.dropped:  # dropped on an earlier open already
                     store.dropped = [
                         old for old in store.dropped if (old.task_id, old.node_id) != (record.task_id, record.node_id)
                     ]
-            except (KeyError, ValueError, TypeError, InvalidToolCall) as error:
-                store.unapplied.append((line, data))
-                errors.append(error)
-        _recover(store, journal, notes, errors)
+            except _LOAD_ERRORS as error:
+                failures.append((line, data, error))
+        if journal.scan.damaged:  # the tail lost records: what depends on them is found now, as without checkpoint
+            for task_id in [task_id for task_id, pending in store.pending.items() if pending.deferred]:
+                failures.extend(store.load_pending(task_id))
+        failures.sort(key=lambda failure: failure[0])
+        store.unapplied.extend((line, data) for line, data, _ in failures)
+        store.records_since_checkpoint = count - covered
+        _recover(store, journal, notes, [error for _, _, error in failures])
+        store.recovery = replace(_required(store.recovery), from_checkpoint=covered, checkpoint=unused)
         _remove_leftovers(store, journal, notes)  # before a compaction moves damaged lines out of sight
-        live = sum(len(g) for g in store.graphs()) + len(store.nondeterministic_marks())
+        live = store.live_nodes() + len(store.nondeterministic_marks())
         if compact_due and count > 2 * live + 1000:
             try:
                 compact(store, warn=False)
@@ -119,14 +181,119 @@ def load(store: DurableState, *, compact_due: bool) -> None:
     except BaseException:
         journal.close()
         raise
-    recovery = store.recovery
-    assert recovery is not None
-    if recovery.lost_records or recovery.torn_tail or recovery.recovered_marks:
+    recovery = _required(store.recovery)
+    if recovery.lost_records or recovery.torn_tail or recovery.recovered_marks or recovery.checkpoint:
         warnings.warn(recovery.describe(), JournalWarning, stacklevel=4)
 
 
-def apply_to_graph(store: DurableState, graph: ToolCallGraph, record: Record) -> None:
-    """Replay a record of one task's graph."""
+def _required(recovery: JournalRecovery | None) -> JournalRecovery:
+    assert recovery is not None  # set by _recover
+    return recovery
+
+
+def _take_checkpoint(store: DurableState, journal: Journal) -> tuple[Checkpoint | None, str | None]:
+    """Open the checkpoint, if there is one that describes the journal's first bytes, and take from it what
+    opening needs: the records that belong to no graph (applied), and each task, pending. Returns it, and why
+    one found was not used (it is removed then)."""
+    # Half a checkpoint is what a compaction killed halfway leaves beside its ``journal.compact`` (which the
+    # journal removes and reports): derived bytes nobody needs, removed without a word of its own.
+    remove_partial(store.root)
+    try:
+        checkpoint = Checkpoint.open(store.root)
+    except CheckpointUnusable as error:
+        remove(store.root)
+        return None, str(error)
+    if checkpoint is None:
+        return None, None
+    if not journal.covers(checkpoint.prefix):
+        checkpoint.close()
+        remove(store.root)
+        unused = (
+            f"it describes the first {checkpoint.prefix.size:,} bytes of a journal, and {journal.path} does not "
+            "begin with them: it was rewritten or changed after the checkpoint was written"
+        )
+        return None, unused
+    store.checkpoint = checkpoint
+    for record in checkpoint.records:
+        store.apply(record)
+    for section in checkpoint.sections:
+        pending = PendingTask(section=section, snapshots=[])
+        for snapshot in section.snapshots:
+            if _usable(store, snapshot):
+                pending.snapshots.append(snapshot)
+        store.pending[section.task_id] = pending
+    return checkpoint, None
+
+
+def _usable(store: DurableState, record: SnapshotRecord) -> bool:
+    """Whether a snapshot record's storage is still there (a published one's data may live on in its store);
+    one that is not is dropped here, as replay drops it."""
+    snapshot = record.snapshot
+    if not store.verify_snapshots or snapshot.exists() or publication_available(snapshot):
+        return True
+    store.release_dropped(snapshot)
+    store.dropped.append(record)
+    return False
+
+
+def _defer(store: DurableState, pending: PendingTask, line: int, data: dict[str, Any], record: Record) -> None:
+    """Keep a tail record of a pending task for when the task is loaded; a snapshot record's storage is checked
+    now, as replay checks it, since what opening does about missing storage it does while opening."""
+    if isinstance(record, SnapshotRecord) and not _usable(store, record):
+        return
+    pending.deferred.append((line, data, record))
+    pending.snapshots_changed |= isinstance(record, SnapshotRecord | DetachRecord | RemoveRecord)
+
+
+def load_task(
+    store: DurableState, pending: PendingTask, *, clock: Callable[[], float]
+) -> tuple[ToolCallGraph, list[Failure]]:
+    """The graph of a pending task (its clock: the store's), its nodes from the checkpoint, its snapshots, then
+    the tail's records for it. Returns the records that did not apply (``account_late`` reports them when
+    opening is over)."""
+    checkpoint = store.checkpoint
+    assert checkpoint is not None  # pending tasks exist only while their checkpoint is open
+    graph = checkpoint.read_graph(pending.section, clock=clock)
+    for snapshot in pending.snapshots:
+        node = graph.node(snapshot.node_id)
+        if node.snapshot is None:
+            graph.attach_snapshot(node, snapshot.snapshot)
+    failures: list[Failure] = []
+    for line, data, record in pending.deferred:
+        try:
+            apply_to_graph(store, graph, record, checked=True)
+        except _LOAD_ERRORS as error:
+            failures.append((line, data, error))
+    return graph, failures
+
+
+def account_late(store: DurableState, failures: list[Failure]) -> None:
+    """Report tail records of a task loaded after opening that did not apply although the journal showed no
+    damage (no tvcache writes such records): counted into ``recovery`` as opening would have, and warned."""
+    records = [data for _, data, _ in failures]
+    store.unapplied.extend((line, data) for line, data, _ in failures)
+    lost = lost_calls(records, lambda task, node: store.has_task(task) and store.graph(task).get(node) is not None)
+    in_groups = {(group.task_id, node) for group in lost for node in group.nodes}
+    skipped = [
+        error
+        for _, data, error in failures
+        if data.get("t") != "n" or (data.get("task"), data.get("id")) not in in_groups
+    ]
+    for task, ids in _ids_by_task(records, ()).items():
+        if store.has_task(task):
+            store.graph(task).reserve_ids(max(ids))
+    recovery = _required(store.recovery)
+    store.recovery = replace(
+        recovery,
+        lost=tuple(sorted((*recovery.lost, *lost), key=lambda group: (group.task_id, group.below))),
+        skipped=recovery.skipped + len(skipped),
+        first_error=recovery.first_error or (repr(skipped[0]) if skipped else None),
+    )
+    warnings.warn(store.recovery.describe(), JournalWarning, stacklevel=5)
+
+
+def apply_to_graph(store: DurableState, graph: ToolCallGraph, record: Record, *, checked: bool = False) -> None:
+    """Replay a record of one task's graph (``checked``: a snapshot record's storage was found already)."""
     if isinstance(record, NodeRecord):
         parent = graph.node(record.parent_id)
         call = ToolCall.from_json(record.name, record.arguments)
@@ -140,15 +307,9 @@ def apply_to_graph(store: DurableState, graph: ToolCallGraph, record: Record) ->
             node_id=record.node_id,
         )
     elif isinstance(record, SnapshotRecord):
-        snapshot = record.snapshot
         node = graph.node(record.node_id)
-        # Snapshots whose data is gone are dropped; a published one's data may live on in its store.
-        usable = not store.verify_snapshots or snapshot.exists() or publication_available(snapshot)
-        if not usable:
-            store.release_dropped(snapshot)
-            store.dropped.append(record)
-        elif node.snapshot is None:
-            graph.attach_snapshot(node, snapshot)
+        if (checked or _usable(store, record)) and node.snapshot is None:
+            graph.attach_snapshot(node, record.snapshot)
     elif isinstance(record, DetachRecord):
         node = graph.node(record.node_id)
         if node.snapshot is not None:
@@ -205,12 +366,7 @@ def _remove_leftovers(store: DurableState, journal: Journal, notes: LoadNotes) -
     assert recovery is not None
     if not store.verify_snapshots:
         return
-    attached = {
-        Path(node.snapshot.path).name
-        for graph in store.graphs()
-        for node in graph.snapshot_nodes.values()
-        if node.snapshot is not None
-    }
+    attached = {Path(snapshot.path).name for snapshot in store.attached_snapshots()}
     records, store.dropped = store.dropped, []
     gone = {Path(record.snapshot.path).name for record in records} - attached
     removed = remove_orphan_snapshots(store.snapshot_root, notes.snapshot_names - gone, journal.scan, journal.directory)
@@ -257,15 +413,42 @@ def records(store: DurableState) -> Iterator[Record]:
 
 
 def compact(store: DurableState, *, warn: bool) -> int:
-    """Rewrite the journal to hold only ``store.records()``; what it drops is copied aside first."""
+    """Rewrite the journal to hold only ``store.records()``, and write a checkpoint of them; what the journal
+    drops is copied aside first. Loads every pending task (their records are rewritten)."""
     journal = store.journal
     if journal is None:
         return 0
     with store.lock:
-        result = journal.rewrite((record.to_json() for record in store.records()), lost=store.unapplied)
+        for task_id in list(store.pending):  # every task is rewritten: read the pending ones first
+            failures = store.load_pending(task_id)
+            if failures:
+                account_late(store, failures)
+        writer = CheckpointWriter(store.root)
+
+        def stream() -> Iterator[dict[str, Any]]:
+            for line, record in enumerate(store.records(), 1):
+                data = record.to_json()
+                writer.add(line, record, data, _call_of(store, record))
+                yield data
+
+        try:
+            result = journal.rewrite(stream(), lost=store.unapplied)
+        except BaseException:
+            writer.abandon()
+            raise
+        _close_checkpoint(store)
         store.unapplied = []
+        written = writer.commit(result.written)
+        store.records_since_checkpoint = 0 if written else result.records
         if result.set_aside is not None and store.recovery is not None:
             store.recovery = replace(store.recovery, set_aside=(*store.recovery.set_aside, str(result.set_aside)))
+    if not written:
+        warnings.warn(
+            f"{journal.path}: compacted, but no checkpoint could be written ({writer.error}); the next open "
+            "replays the whole journal",
+            JournalWarning,
+            stacklevel=4,
+        )
     if warn and result.set_aside is not None:
         warnings.warn(
             f"{journal.path}: compacting dropped damaged lines and the records that depended on them; "
@@ -274,6 +457,25 @@ def compact(store: DurableState, *, warn: bool) -> int:
             stacklevel=4,
         )
     return result.records
+
+
+def _call_of(store: DurableState, record: Record) -> ToolCall | None:
+    """The call a node record was written from, whose canonical bytes and digest a checkpoint keeps."""
+    if not isinstance(record, NodeRecord) or not store.has_task(record.task_id):
+        return None
+    node = store.graph(record.task_id).get(record.node_id)
+    return node.call if node is not None else None
+
+
+def _close_checkpoint(store: DurableState) -> None:
+    if store.checkpoint is not None:
+        store.checkpoint.close()
+        store.checkpoint = None
+
+
+def checkpoint_due(store: DurableState) -> bool:
+    """Whether closing should compact: ``CHECKPOINT_TAIL`` records or more would be replayed at the next open."""
+    return store.journal is not None and store.records_since_checkpoint >= CHECKPOINT_TAIL
 
 
 def _ids_by_task(records: Iterable[dict[str, Any]], damaged: Iterable[DamagedRecord]) -> dict[str, list[int]]:

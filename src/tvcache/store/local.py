@@ -11,6 +11,11 @@ so by default only a path that really lies in this store's snapshot directory is
 forgotten (``tvcache.store.owners``). ``discard`` replaces that default for such records; ``verify_snapshots=False``
 keeps journaled snapshots whose files this process cannot see. A server sets both: its snapshots belong to its
 clients, to whom it hands evicted records back (``Attached.evicted``).
+
+A durable store opened from a checkpoint holds most tasks *pending* (``tvcache.store.durable``): known by name
+and size, their nodes read the first time something needs them (``graph``, ``graphs``, a count a checkpoint
+cannot give). ``compact_on_open=False`` keeps opening and closing from rewriting the directory; otherwise opening
+compacts a mostly dead journal and closing compacts when ``CHECKPOINT_TAIL`` records are not in a checkpoint.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from ..recovery import JournalRecovery
 from ..results import NondeterminismMark
 from ..snapshots.publication import release_dropped
 from . import durable
+from .checkpoint import Checkpoint
 from .inflight import ClaimKey, Inflight, check_key
 from .owners import SnapshotOwners
 from .protocol import Attached, Claim, Dropped, StoreStats, TestLookup
@@ -107,6 +113,10 @@ class LocalStore:
         self.recovery: JournalRecovery | None = None
         self.unapplied: list[tuple[int, dict[str, Any]]] = []  # loaded records that no longer apply
         self.dropped: list[SnapshotRecord] = []  # dropped on load: their storage is gone (durable.load)
+        self.checkpoint: Checkpoint | None = None  # open while tasks of it are pending
+        self.pending: dict[str, durable.PendingTask] = {}  # tasks of the checkpoint not read yet
+        self.records_since_checkpoint = 0  # journal records a checkpoint does not cover: the next open replays them
+        self._compact_automatically = compact_on_open
         if path is None:
             self.root = Path(tempfile.mkdtemp(prefix="tvcache-"))
             # Its snapshots die with it, each freed by the factory that made it (a docker image lives outside
@@ -134,26 +144,75 @@ class LocalStore:
         with self._lock:
             graph = self._graphs.get(task_id)
             if graph is None:
+                if task_id in self.pending:
+                    failures = self.load_pending(task_id)
+                    if failures:
+                        durable.account_late(self, failures)
+                    return self._graphs[task_id]
                 check_task_id(task_id)
                 graph = self._graphs[task_id] = ToolCallGraph(task_id, clock=self._clock)
             return graph
+
+    def load_pending(self, task_id: str) -> list[durable.Failure]:
+        """Read a pending task's graph from the checkpoint (``durable.load_task``); returns the tail records that
+        did not apply with it."""
+        with self._lock:
+            graph, failures = durable.load_task(self, self.pending[task_id], clock=self._clock)
+            self._graphs[task_id] = graph
+            del self.pending[task_id]
+            if not self.pending and self.checkpoint is not None:
+                self.checkpoint.close()
+                self.checkpoint = None
+            return failures
+
+    def _load_all(self, select: Callable[[durable.PendingTask], bool] = lambda pending: True) -> None:
+        with self._lock:
+            for task_id in [task_id for task_id, pending in self.pending.items() if select(pending)]:
+                self.graph(task_id)
 
     def adopt(self, graph: ToolCallGraph) -> None:
         """Hold a graph built elsewhere (a benchmark's) as its task's, in memory only (nothing is journaled)."""
         check_task_id(graph.task_id)
         with self._lock:
+            self.pending.pop(graph.task_id, None)
             self._graphs[graph.task_id] = graph
 
     def tasks(self) -> list[str]:
         with self._lock:
-            return list(self._graphs)
+            return [*self._graphs, *self.pending]
 
     def has_task(self, task_id: object) -> bool:
-        return task_id in self._graphs
+        return task_id in self._graphs or task_id in self.pending
 
     def graphs(self) -> list[ToolCallGraph]:
+        """Every task's graph (pending ones are read first)."""
         with self._lock:
+            self._load_all()
             return list(self._graphs.values())
+
+    def live_nodes(self) -> int:
+        """About how many nodes the graphs hold, roots included, without reading pending tasks (exact unless a
+        pending task has tail records that remove nodes)."""
+        with self._lock:
+            loaded = sum(len(graph) for graph in self._graphs.values())
+            return loaded + sum(pending.section.nodes + 1 + len(pending.deferred) for pending in self.pending.values())
+
+    def attached_snapshots(self) -> list[Snapshot]:
+        """Every snapshot attached, without reading pending tasks: theirs as far as the checkpoint and the tail's
+        records tell (a pending snapshot a tail record detaches is still listed, never one left out)."""
+        with self._lock:
+            snapshots = [
+                node.snapshot
+                for graph in self._graphs.values()
+                for node in graph.snapshot_nodes.values()
+                if node.snapshot is not None
+            ]
+            for pending in self.pending.values():
+                snapshots.extend(record.snapshot for record in pending.snapshots)
+                snapshots.extend(
+                    record.snapshot for _, _, record in pending.deferred if isinstance(record, SnapshotRecord)
+                )
+            return snapshots
 
     # ------------------------------------------------------------- calls
 
@@ -401,6 +460,16 @@ class LocalStore:
                 size -= snapshot.bytes
 
         evict_from([graph], budget.max_snapshots_per_task, budget.max_bytes_per_task)
+        if budget.max_snapshots is not None or budget.max_bytes is not None:
+            self._load_all(lambda pending: pending.snapshots_changed)
+            if self.pending:
+                count = sum(len(g.snapshot_nodes) for g in self._graphs.values())
+                size = sum(g.snapshot_bytes for g in self._graphs.values())
+                for pending in self.pending.values():
+                    count += len(pending.snapshots)
+                    size += sum(record.snapshot.bytes for record in pending.snapshots)
+                if over(count, size, budget.max_snapshots, budget.max_bytes):
+                    self._load_all(lambda pending: bool(pending.snapshots))  # their snapshots are candidates too
         evict_from(list(self._graphs.values()), budget.max_snapshots, budget.max_bytes)
         return evicted
 
@@ -499,6 +568,7 @@ class LocalStore:
         """Journal ``record`` (nothing for an in-memory store); JournalError when the journal refuses it."""
         if self.journal is not None:
             self.journal.append(record.to_json())
+            self.records_since_checkpoint += 1
 
     def apply(self, record: Record) -> None:
         """Replay one journal record into memory (``durable.load``)."""
@@ -536,19 +606,22 @@ class LocalStore:
 
     def stats(self) -> StoreStats:
         with self._lock:
+            self._load_all(lambda pending: bool(pending.deferred))  # the checkpoint's counts are theirs no longer
             graphs = self._graphs.values()
+            pending = self.pending.values()
             return StoreStats(
-                tasks=len(self._graphs),
-                nodes=sum(len(g) - 1 for g in graphs),
-                snapshots=sum(len(g.snapshot_nodes) for g in graphs),
-                snapshot_bytes=sum(g.snapshot_bytes for g in graphs),
+                tasks=len(self._graphs) + len(self.pending),
+                nodes=sum(len(g) - 1 for g in graphs) + sum(p.section.nodes for p in pending),
+                snapshots=sum(len(g.snapshot_nodes) for g in graphs) + sum(len(p.snapshots) for p in pending),
+                snapshot_bytes=sum(g.snapshot_bytes for g in graphs)
+                + sum(record.snapshot.bytes for p in pending for record in p.snapshots),
                 snapshots_taken=self._snapshots_taken,
                 snapshots_evicted=self._snapshots_evicted,
             )
 
     def check_invariants(self) -> None:
         with self._lock:
-            for graph in self._graphs.values():
+            for graph in self.graphs():
                 graph.check_invariants()
 
     def leased(self) -> bool:
@@ -557,16 +630,28 @@ class LocalStore:
             return any(node.leases for g in self._graphs.values() for node in g.nodes())
 
     def close(self) -> None:
+        """Close the journal; first compact (and so write a checkpoint) when ``CHECKPOINT_TAIL`` records or more
+        are not in one, unless ``compact_on_open=False``. A compaction that fails only costs a warning."""
         if self._closed:
             return
         self._closed = True
-        if self.journal is not None:
-            self.journal.close()
-        self._cleanup()
+        try:
+            if self._compact_automatically and durable.checkpoint_due(self):
+                try:
+                    durable.compact(self, warn=True)
+                except JournalError as error:  # optional: the journal is whole as it is (a full disk, say)
+                    warnings.warn(f"{error}; closing without compacting", JournalWarning, stacklevel=3)
+        finally:
+            if self.checkpoint is not None:
+                self.checkpoint.close()
+                self.checkpoint = None
+            if self.journal is not None:
+                self.journal.close()
+            self._cleanup()
 
     def __repr__(self) -> str:
         where = "memory" if self.journal is None else str(self.root)
-        return f"<LocalStore {where} tasks={len(self._graphs)}>"
+        return f"<LocalStore {where} tasks={len(self._graphs) + len(self.pending)}>"
 
 
 def call_key(graph: ToolCallGraph, state: Node, call: ToolCall) -> ClaimKey:
