@@ -31,9 +31,9 @@ test: lint
 criu:
 	scripts/install-criu.sh
 
-# veRL and Tinker pull in torch (~1.5-1.9 GB each, and conflicting transformers pins): each gets its own venv
+# veRL, Tinker and TRL pull in torch (~1.5-1.9 GB each, and conflicting transformers pins): each gets its own venv
 # with the CPU torch wheel, and runs only its adapter's tests. CI runs this after `make test`.
-FRAMEWORKS ?= verl tinker
+FRAMEWORKS ?= verl tinker trl
 test-frameworks: test-harnesses
 	@for fw in $(FRAMEWORKS); do \
 	  venv=.venv-$$fw; \
@@ -49,17 +49,23 @@ test-frameworks: test-harnesses
 	done
 
 # Harbor needs Python >= 3.12 (pyenv's, where the system's is older) and mini-swe-agent pulls litellm and datasets
-# (~450 MB): each gets its own venv (no torch) and runs its adapter's tests. swe-rex is in `dev`.
+# (~450 MB), verifiers pulls the openai and MCP SDKs (~580 MB; its v0 stack is 0.3.1's, the verifiers-v0 extra):
+# each gets its own venv (no torch) and runs its adapter's tests. swe-rex is in `dev`.
 PYTHON312 ?= $(or $(lastword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12)),python3.12)
-HARNESSES ?= harbor mini-swe-agent
+# The OpenHands SDK needs Python >= 3.12. nemo-gym 0.7 declares Python >= 3.13.14, newer than any Python this
+# machine has (pyenv's 3.13.0, Debian's 3.11; python.org is out of reach): it is installed on 3.13.0 with pip's
+# --ignore-requires-python, and tests/integrations/test_nemo_gym.py runs its real servers and agent there.
+PYTHON313 ?= $(or $(lastword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13)),python3.13)
+HARNESSES ?= harbor mini-swe-agent verifiers verifiers-v0 openhands nemo-gym
 test-harnesses:
 	@for extra in $(HARNESSES); do \
 	  venv=.venv-$$extra; module=$$(echo $$extra | tr - _); python=$(PYTHON); \
-	  if [ $$extra = harbor ]; then python=$(PYTHON312); fi; \
+	  pipflags=; case $$extra in harbor|openhands) python=$(PYTHON312);; \
+	    nemo-gym) python=$(PYTHON313); pipflags=--ignore-requires-python;; esac; \
 	  if [ ! -f $$venv/.installed ]; then \
 	    $$python -m venv $$venv && \
 	    $$venv/bin/python -m pip install --quiet --upgrade pip && \
-	    $$venv/bin/python -m pip install --quiet -e ".[$$extra]" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" && \
+	    $$venv/bin/python -m pip install --quiet $$pipflags -e ".[$$extra]" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" && \
 	    touch $$venv/.installed || exit 1; \
 	  fi; \
 	  $$venv/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_$$module.py \
@@ -74,4 +80,4 @@ bench: $(STAMP)
 	$(VENV)/bin/tvcache bench lookup
 
 clean:
-	rm -rf $(VENV) .venv-verl .venv-tinker .venv-harbor .venv-mini-swe-agent .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-verl .venv-tinker .venv-trl .venv-harbor .venv-mini-swe-agent .venv-verifiers .venv-verifiers-v0 .venv-openhands .venv-nemo-gym .pytest_cache .mypy_cache .ruff_cache

@@ -152,8 +152,9 @@ def harness_snippet(name: str) -> str:
 
 
 def run_snippet(code: str, namespace: dict[str, Any]) -> dict[str, Any]:
-    """Run a snippet as written; one with top-level ``await`` runs as the body of a coroutine."""
-    if "await " not in code:
+    """Run a snippet as written; one with top-level ``await`` (on a line of its own, not in a def) runs as the body
+    of a coroutine."""
+    if not re.search(r"^\S.*\bawait\b", code, re.M):
         exec(compile(code, "<snippet>", "exec"), namespace)
         return namespace
     body = textwrap.indent(code, "    ") + "\n    return locals()\n"
@@ -235,3 +236,234 @@ def test_swerex_snippet(tmp_path: Path) -> None:
         assert len(started) == 3  # the first-hit check caught output that varied: the rest ran uncached
     else:
         assert len(started) == 2  # the first run, and the second's first-hit check; the third hits throughout
+
+
+@pytest.mark.filterwarnings("ignore:.*is deprecated and will be removed in v6:FutureWarning")  # TRL's own calls
+def test_trl_snippet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("trl", reason="the 'trl' extra is not installed: pip install 'tvcache[trl]'")
+    from tvcache.sandboxes.shell import linux
+
+    if not linux.overlay_supported():
+        pytest.skip("overlay shell sandboxes need root")
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    from datasets import Dataset
+    from transformers import PrinterCallback
+    from trl import GRPOConfig
+    from trl_tiny import scripted_policy, tiny_tokenizer
+
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "README").write_text("hello\n")
+    code = harness_snippet("trl").replace("/data/tvcache", str(tmp_path / "cache"))
+    code = code.replace("trainer.train()", "trainer.remove_callback(PrinterCallback)\ntrainer.train()")  # quiet
+    plans = [[[("bash", {"command": "ls"})], [("read_file", {"path": "README"})]], [[("bash", {"command": "ls"})]]]
+    runs = []
+    for run in range(2):  # two processes-alike over one durable cache
+        tokenizer = tiny_tokenizer()
+        names = {
+            "PrinterCallback": PrinterCallback,
+            "checkout": checkout,
+            "model": scripted_policy(tokenizer, {"repo": plans}),
+            "tokenizer": tokenizer,
+            "reward": lambda completions, **_: [float(len(c)) for c in completions],
+            "dataset": Dataset.from_list(
+                [{"prompt": [{"role": "user", "content": "[task repo] Read it."}], "task_id": "repo"}]
+            ),  # fmt: skip
+            "args": GRPOConfig(
+                output_dir=str(tmp_path / f"out-{run}"),
+                use_cpu=True,
+                per_device_train_batch_size=2,
+                num_generations=2,
+                max_steps=1,
+                max_completion_length=512,
+                report_to=[],
+                save_strategy="no",
+                disable_tqdm=True,
+            ),  # fmt: skip
+        }
+        ran = run_snippet(code, names)
+        ran["shell"].close()
+        runs.append(ran)
+    assert sorted(tool.__name__ for tool in runs[0]["trainer"].tools) == ["bash", "read_file"]
+    assert [ran["trainer"].state.global_step for ran in runs] == [1, 1]
+    contexts = [ran["model"].contexts for ran in runs]
+    assert contexts[0] == contexts[1]
+    assert any("hello" in context for context in contexts[0])  # read_file's result reached the policy
+    stats = [ran["environments"].cache.stats() for ran in runs]
+    assert (stats[0].hits, stats[1].misses) == (1, 0)  # the sibling's ls; then the second run hits throughout
+    assert stats[1].hits == stats[0].hits + stats[0].misses
+
+
+def test_openhands_snippet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM would fetch its price list at import
+    monkeypatch.setenv("OPENHANDS_SUPPRESS_BANNER", "1")
+    pytest.importorskip(
+        "openhands.sdk", reason="the 'openhands' extra is not installed: pip install 'tvcache[openhands]'"
+    )
+    import json
+    import subprocess
+
+    from openhands.sdk.llm import Message, MessageToolCall, TextContent
+    from openhands.sdk.testing import TestLLM  # the SDK's own scripted LLM: the one test double here
+
+    from tvcache.sandboxes.shell import linux
+
+    if not linux.overlay_supported():
+        pytest.skip("persistent shell sandboxes need root")
+    checkout = tmp_path / "checkout"
+    (checkout / "src").mkdir(parents=True)
+    (checkout / "src" / "app.py").write_text("print('hi')\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    for command in (["git", "init", "-q"], [*git, "add", "."], [*git, "commit", "-qm", "start"]):
+        subprocess.run(command, cwd=checkout, check=True)
+
+    def step(index: int, name: str, **arguments: Any) -> Message:
+        call = MessageToolCall(id=f"c{index}", name=name, arguments=json.dumps(arguments), origin="completion")
+        return Message(role="assistant", content=[TextContent(text="")], tool_calls=[call])
+
+    code = harness_snippet("openhands").replace("/data/tvcache", str(tmp_path / "cache"))
+    runs = []
+    for _ in range(2):
+        script = [
+            step(0, "workspace_command", command="sed -i 's/hi/hello/' src/app.py && cat src/app.py"),
+            step(1, "finish", message="done"),
+        ]
+        names = {
+            "checkout": checkout,
+            "instance_id": "app-1",
+            "task": "Say hello.",
+            "llm": TestLLM.from_messages(script),
+        }
+        ran = run_snippet(code, names)
+        ran["shell"].close()
+        runs.append(ran)
+    assert [(ran["patch"].original, ran["patch"].modified) for ran in runs] == [("print('hi')", "print('hello')")] * 2
+    first, second = (ran["workspace"].session.stats for ran in runs)
+    assert (first.hits, first.misses) == (0, 2)
+    # execute_command's first hit in the task is checked by running it once more (its determinism is undeclared)
+    assert (second.hits, second.verified, second.misses) == (1, 1, 0)
+    assert (checkout / "src" / "app.py").read_text() == "print('hi')\n"  # the checkout itself never changes
+
+
+def test_nemo_gym_snippet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("nemo_gym", reason="the 'nemo-gym' extra is not installed: pip install 'tvcache[nemo-gym]'")
+    from fastapi.testclient import TestClient
+    from nemo_gym.base_resources_server import BaseResourcesServerConfig
+    from nemo_gym.server_utils import BaseServerConfig, ServerClient
+    from omegaconf import OmegaConf
+
+    from tvcache.sandboxes.shell import linux
+
+    if not linux.overlay_supported():
+        pytest.skip("persistent shell sandboxes need root")
+    monkeypatch.setenv("NEMO_GYM_CONFIG_DICT", "{}")  # what NeMo-Gym gives a server process it starts
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "notes.txt").write_text("one\n")
+    code = harness_snippet("nemo-gym").replace("/data/tvcache", str(tmp_path / "cache"))
+    ran = run_snippet(code, {"repo": repo})
+    client = ServerClient(
+        head_server_config=BaseServerConfig(host="127.0.0.1", port=1), global_config_dict=OmegaConf.create({})
+    )
+    server = ran["ShellServer"](
+        config=BaseResourcesServerConfig(host="127.0.0.1", port=0, entrypoint="", name="shell"), server_client=client
+    )
+    app = server.setup_webserver()
+    row = {"responses_create_params": {"input": "Add two."}, "task_id": "notes"}
+    response = {
+        "id": "r", "created_at": 0.0, "model": "m", "object": "response", "output": [],
+        "parallel_tool_calls": False, "tool_choice": "auto", "tools": [],
+    }  # fmt: skip
+    outputs = []
+    for _ in range(2):  # two rollouts of the task, each with its own session cookie
+        with TestClient(app) as rollout:
+            seeded = rollout.post("/seed_session", json=row)
+            assert seeded.status_code == 200, seeded.text
+            outputs.append(
+                rollout.post("/run_command", json={"command": "echo two >> notes.txt; cat notes.txt"}).json()
+            )
+            assert rollout.post("/verify", json={**row, "response": response}).json()["reward"] == 1.0
+    assert outputs == [{"output": "one\ntwo\n", "is_error": False}] * 2
+    first, second = ran["rollouts"].finished
+    assert (first.misses, second.hits, second.misses) == (1, 1, 0)
+    ran["rollouts"].sandbox.close()
+
+
+def test_verifiers_v0_snippet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    vf = pytest.importorskip("verifiers", reason="the 'verifiers-v0' extra is not installed")
+    pytest.importorskip(
+        "verifiers.legacy", reason="this verifiers has no v0 stack: pip install 'tvcache[verifiers-v0]'"
+    )
+    datasets = pytest.importorskip("datasets")
+    from verifiers_scripted_model import FINAL_ANSWER, ScriptedModel
+
+    from tvcache.sandboxes.shell import linux
+
+    if not linux.overlay_supported():
+        pytest.skip("overlay shell sandboxes need root")
+    (tmp_path / "checkout").mkdir()
+    (tmp_path / "checkout" / "README").write_text("hello\n")
+    monkeypatch.setenv("TVCACHE_SCRIPTED_KEY", "scripted")
+    code = harness_snippet("verifiers-v0").replace("/data/tvcache", str(tmp_path / "cache"))
+    rows = [{"prompt": [{"role": "user", "content": "Read the README."}]}]
+    runs = []
+    with ScriptedModel([[[("bash", {"command": "cat README"})]]]) as model:
+        for _ in range(2):
+            names = {
+                "dataset": datasets.Dataset.from_list(rows),
+                "rubric": vf.Rubric(funcs=[lambda completion, **_: 1.0]),
+                "checkout": tmp_path / "checkout",
+                "client": vf.ClientConfig(api_base_url=model.base_url, api_key_var="TVCACHE_SCRIPTED_KEY"),
+                "model": "scripted",
+            }
+            runs.append(run_snippet(code, names))
+
+    def field(message: Any, name: str) -> Any:  # verifiers hands messages back as dicts or as its models
+        return message[name] if isinstance(message, dict) else getattr(message, name)
+
+    for ran in runs:
+        completions = [output["completion"] for output in ran["results"]["outputs"]]
+        assert len(completions) == 4
+        for completion in completions:
+            assert [field(m, "content") for m in completion if field(m, "role") == "tool"] == ["hello\n"]
+            assert field(completion[-1], "content") == FINAL_ANSWER
+    stats = runs[1]["env"].tvcache.stats()
+    assert stats.misses == 1  # one execution for both runs' eight rollouts
+    assert stats.hits == 7
+
+
+def test_verifiers_v1_snippet(monkeypatch: pytest.MonkeyPatch) -> None:
+    vf = pytest.importorskip("verifiers.v1", reason="the 'verifiers' extra is not installed")
+    if not hasattr(vf, "Toolset"):
+        pytest.skip("this verifiers has no v1 Toolset (verifiers >= 0.4 has)")
+    server_modules()
+    import types
+
+    from verifiers_scripted_model import ScriptedModel
+    from verifiers_v1_rollouts import make_env, prepare, run_epoch, tool_results
+
+    from tvcache.server import CacheService, ServerThread
+
+    prepare(monkeypatch)
+    service = CacheService()
+    scripts = [[[("notes_write", {"name": "a", "text": "x"})], [("notes_read", {"name": "a"})]]]
+    with ServerThread(service) as server, ScriptedModel(scripts) as model:
+        code = harness_snippet("verifiers").replace("my_tools:NotesToolset", "verifiers_notes_toolset:NotesToolset")
+        ran = run_snippet(code.replace("http://127.0.0.1:8000", server.url), {})
+        task_class = ran["NotesTask"]
+
+        class SnippetTaskset(vf.Taskset[task_class, vf.TasksetConfig]):  # type: ignore[valid-type, misc]
+            def load(self) -> list[Any]:
+                return [task_class(vf.TaskData(id="snippet", prompt="Keep notes."))]
+
+        module = types.ModuleType("verifiers_snippet_taskset")
+        module.SnippetTaskset = SnippetTaskset  # type: ignore[attr-defined]
+        module.__all__ = ["SnippetTaskset"]  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        env = make_env({"id": module.__name__})
+        epochs = [[tool_results(episode) for episode in run_epoch(env, model.base_url, 2)] for _ in range(2)]
+        stats = service.stats()
+    service.close()
+    expected = (0, [("call-0-0-0", "wrote a (1 notes)"), ("call-0-1-0", "x")])
+    assert epochs == [[expected, expected]] * 2
+    assert stats["hits"] > 0
