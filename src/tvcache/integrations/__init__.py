@@ -13,7 +13,15 @@ One module per framework, each behind its own optional extra and imported lazily
   overlay shell sandboxes with no engine (``tvcache[harbor]``, Python >= 3.12);
 - ``tvcache.integrations.mini_swe_agent`` — a caching mini-swe-agent ``Environment`` (``tvcache[mini-swe-agent]``);
 - ``tvcache.integrations.swerex`` — a SWE-ReX deployment and runtime whose bash sessions go through the cache
-  (``tvcache[swe-rex]``).
+  (``tvcache[swe-rex]``);
+- ``tvcache.integrations.verifiers`` — a verifiers v0 ``StatefulToolEnv``/``SandboxEnv`` (and mixin) whose rollout
+  sandbox is a tvcache session, and a v1 ``Toolset`` cached through the MCP proxy (``tvcache[verifiers-v0]``,
+  ``tvcache[verifiers]``);
+- ``tvcache.integrations.trl`` — an ``environment_factory`` class for TRL's ``GRPOTrainer`` (``tvcache[trl]``);
+- ``tvcache.integrations.openhands`` — an OpenHands SDK workspace on persistent shell sandboxes
+  (``tvcache[openhands]``, Python >= 3.12);
+- ``tvcache.integrations.nemo_gym`` — a NeMo-Gym resources-server helper keyed by the rollout's session
+  (``tvcache[nemo-gym]``).
 
 Each adapter takes one ``cache`` setting (``tvcache.integrations.open_cache``): None or a directory for an embedded
 cache, a URL for ``tvcache serve``, a list of URLs for sharded servers.
