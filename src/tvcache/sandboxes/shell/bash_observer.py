@@ -216,7 +216,7 @@ class BashObserver:
 
     def idle(self) -> Idle | None:
         """The shell's state when its top-level reader waits on the terminal, else None (it is busy)."""
-        if not self._blocked_reading_terminal(editing=True):
+        if not self._blocked_reading_terminal(editing=True, device=False):  # the device: at the second look
             return None
         values = self._state.read(self._read, signed=True)
         if any(values[: len(_BUSY)]):
@@ -241,13 +241,15 @@ class BashObserver:
             raise ShellReplaced(f"the shell's I/O counters cannot be read ({error.strerror})") from None
         return int(data.split(b"\n", 1)[0].split()[1])
 
-    def _blocked_reading_terminal(self, editing: bool = False) -> bool:
+    def _blocked_reading_terminal(self, editing: bool = False, device: bool = True) -> bool:
         try:
             fields = os.pread(self._syscall, 128, 0).split(maxsplit=2)
         except OSError:
             return False
         if fields[:2] != [_READ, b"0x0"] and not (editing and fields[:1] == [_PSELECT6]):
             return False
+        if not device:
+            return True
         try:
             return os.stat(f"/proc/{self.pid}/fd/0").st_rdev == self._terminal
         except OSError:
@@ -281,13 +283,18 @@ class BashObserver:
 
     def last_job(self) -> int:
         """``$!``: the PID (in the shell's namespace) of the last job it started in the background."""
-        return self._jobs.read(self._read, signed=True)[0]
+        return self.jobs()[0]
 
     def job_table(self) -> tuple[int, int]:
         """How many jobs bash's table holds, and how many of them ended (``js.j_njobs``, ``js.j_ndead`` of bash
         5's ``struct jobstats``): a background job that ends changes them, and bash notes it on the terminal."""
-        _, jobs, dead = self._jobs.read(self._read, signed=True)
+        _, jobs, dead = self.jobs()
         return jobs, dead
+
+    def jobs(self) -> tuple[int, int, int]:
+        """``last_job`` and ``job_table`` in one read."""
+        last, jobs, dead = self._jobs.read(self._read, signed=True)
+        return last, jobs, dead
 
     def children(self) -> list[int]:
         """The PIDs (of this machine) whose parent is the shell. bash runs one thread, the only one they can

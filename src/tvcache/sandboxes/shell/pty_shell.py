@@ -569,7 +569,8 @@ class PtyShell:
             self._reset_terminal()
             late = self._pending_output(collected)
             processes = self._others()
-            last_job, jobs = self.observer.last_job(), self.observer.job_table()
+            last_job, *table = self.observer.jobs()
+            jobs = (table[0], table[1])
             if self._jobs_after is None:  # the first call of this shell (new, or restored): nothing to compare yet
                 self._jobs_after, self._others_after = jobs, processes
             # Something wrote between calls, a job ended since the last call returned, or a process that holds
