@@ -7,6 +7,9 @@ Ray's shard actors use too). Errors are JSON ``{"error": {"type": ..., "message"
 one table ``tvcache.api.errors``: 422 for a body or query that does not fit the schema (with pydantic's list of
 problems), 400 for a value the cache cannot accept, 404 for an unknown node, claim or lease, 401 for a missing or
 wrong token, 409 for ids of another server instance, 413/414 for an oversized body or query string.
+
+The two lookups clients make before every call are also answered from the HTTP parser, past these layers but
+through their checks and handlers (``hot``; ``create_app`` hands them to the server as ``Guard.hot``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from ..api.errors import (
 )
 from ..api.routes import Route as ApiRoute
 from .dashboard import OPEN_PATHS, dashboard_routes
+from .hot import HotRoutes
 from .metrics import Histogram, render
 from .routes import Dispatcher, Refused, Reply, dumps, refusal, refused
 from .service import CacheService
@@ -125,29 +129,45 @@ class Server:
 
         return endpoint
 
+    def wire_answer(self, route: WireRoute, given: Callable[[], Any], task_header: str | None) -> Reply:
+        """Serve a reference route (``wire.WIRE_ROUTES``): ``given()`` parses the request (its validated body or
+        its query), ``task_header`` is the ``X-Task-Name`` the released client sends for a sharding proxy. The
+        app's endpoints and the hot path (``hot``) both answer through here."""
+        try:
+            parsed = given()
+            started = time.perf_counter()
+            result = route.call(self.wire, parsed, task_header)
+            if route.timed:
+                self.latency.observe(route.path, time.perf_counter() - started)
+        except Exception as error:
+            answer = refusal(error)
+            if answer is None:
+                raise
+            return answer
+        if isinstance(result, tuple):
+            return Reply(result[0], dumps(result[1]))
+        return Reply(200, dumps(result))
+
     def wire_endpoint(self, route: WireRoute) -> Callable[[Request], Awaitable[Response]]:
-        """A reference route (``wire.WIRE_ROUTES``): the JSON body or the query string, and the ``X-Task-Name``
-        header the released client sends for a sharding proxy."""
+        """A reference route as a Starlette endpoint: the JSON body or the query string."""
         limit = self.settings.max_body_bytes
+        model = route.body
 
         async def endpoint(request: Request) -> Response:
-            try:
-                if route.body is not None:
-                    given: Any = route.body.model_validate_json(await _read_body(request, limit))
-                else:
-                    given = parse_query(request.query_params, route.query)
-                started = time.perf_counter()
-                result = route.call(self.wire, given, request.headers.get("x-task-name"))
-                if route.timed:
-                    self.latency.observe(route.path, time.perf_counter() - started)
-            except Exception as error:
-                answer = refusal(error)
-                if answer is None:
-                    raise
-                return _reply(answer)
-            if isinstance(result, tuple):
-                return _json(result[1], result[0])
-            return _json(result)
+            if model is not None:
+                try:
+                    body = await _read_body(request, limit)
+                except Refused as error:
+                    return _refused(error.code, error.message)
+
+                def given() -> Any:
+                    return model.model_validate_json(body)
+            else:
+
+                def given() -> Any:
+                    return parse_query(request.query_params, route.query)
+
+            return _reply(self.wire_answer(route, given, request.headers.get("x-task-name")))
 
         return endpoint
 
@@ -275,6 +295,8 @@ class Guard:
         self.open_paths = open_paths
         self.max_query_bytes = max_query_bytes
         self.statuses = statuses
+        # Routes the HTTP server may answer from its parser, past this app (see ``hot``); None: none.
+        self.hot: HotRoutes | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -284,7 +306,7 @@ class Guard:
             await self.app(scope, receive, send)
             return
         counted = send if self.statuses is None else _counting(send, self.statuses)
-        if not self._authorized(scope):
+        if not self._authorized(scope["path"], scope["headers"]):
             response = _refused(UNAUTHORIZED, "missing or wrong bearer token (Authorization: Bearer ...)")
             response.headers["WWW-Authenticate"] = "Bearer"
             await response(scope, receive, counted)
@@ -295,14 +317,18 @@ class Guard:
             return
         await self.app(scope, receive, counted)
 
-    def _authorized(self, scope: Scope) -> bool:
-        if self.expected is None or scope["path"] in self.open_paths:
+    def admits(self, path: str, headers: list[tuple[bytes, bytes]], query_string: bytes) -> bool:
+        """Whether a request passes both checks (the hot path answers only such requests itself)."""
+        return self._authorized(path, headers) and len(query_string) <= self.max_query_bytes
+
+    def _authorized(self, path: str, headers: list[tuple[bytes, bytes]]) -> bool:
+        if self.expected is None or path in self.open_paths:
             return True
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        given = dict(headers).get(b"authorization", b"")
         return hmac.compare_digest(given, self.expected)
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self._authorized(scope):
+        if not self._authorized(scope["path"], scope["headers"]):
             reason = "missing or wrong bearer token (Authorization: Bearer ...)"
         elif len(scope.get("query_string", b"")) > self.max_query_bytes:
             reason = f"query string exceeds {self.max_query_bytes} bytes"
@@ -325,6 +351,7 @@ def _counting(send: Send, statuses: dict[str, int]) -> Send:
 
 
 INSTANCE_HEADER = "X-TVCache-Instance"
+_INSTANCE_NAME = INSTANCE_HEADER.lower().encode()
 
 
 class InstanceCheck:
@@ -337,20 +364,29 @@ class InstanceCheck:
         self.app = app
         self.service = service
 
+    def header(self) -> tuple[bytes, bytes]:
+        """The header every response carries: this instance's id."""
+        return _INSTANCE_NAME, self.service.instance.encode()
+
+    def admits(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether a request names this instance, or none."""
+        expected = dict(headers).get(_INSTANCE_NAME)
+        return expected is None or expected == self.service.instance.encode()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         instance = self.service.instance
-        header = (INSTANCE_HEADER.lower().encode(), instance.encode())
+        header = self.header()
 
         async def tagged(message: Any) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), header]}
             await send(message)
 
-        expected = dict(scope["headers"]).get(header[0])
-        if expected is not None and expected != header[1]:
+        if not self.admits(scope["headers"]):
+            expected = dict(scope["headers"])[header[0]]
             message = (
                 f"this server is instance {instance}, not {expected.decode(errors='replace')[:64]}: it restarted, "
                 "and the node ids the request names may be other states now; drop them and look the history up again"
@@ -389,4 +425,17 @@ def create_app(service: CacheService, settings: ServerSettings | None = None) ->
     app = Starlette(routes=server.routes(), lifespan=lifespan, exception_handlers={404: not_found, 405: not_allowed})
     app.state.server = server
     checked = InstanceCheck(app, service)
-    return Guard(checked, token=settings.token, max_query_bytes=settings.max_query_bytes, statuses=server.statuses)
+    guard = Guard(checked, token=settings.token, max_query_bytes=settings.max_query_bytes, statuses=server.statuses)
+
+    def admits(path: str, headers: list[tuple[bytes, bytes]], query_string: bytes) -> bool:
+        return guard.admits(path, headers, query_string) and checked.admits(headers)
+
+    guard.hot = HotRoutes(
+        wire_answer=server.wire_answer,
+        dispatcher=server.dispatcher,
+        admits=admits,
+        instance_header=checked.header,
+        statuses=server.statuses,
+        max_body_bytes=settings.max_body_bytes,
+    )
+    return guard

@@ -25,7 +25,8 @@ from starlette.types import ASGIApp
 from ..api.errors import BAD_REQUEST, QUERY_TOO_LARGE, ErrorCode, error_body
 from ..errors import InvalidInput
 from ..policies import Budget
-from .app import ServerSettings, create_app
+from .app import Guard, ServerSettings, create_app
+from .hot import HotRequest, HotRoutes
 from .service import CacheService
 
 __all__ = ["AppThread", "InProcessTransport", "ServerThread", "is_loopback", "serve", "serve_shards"]
@@ -61,9 +62,10 @@ def _refusal(code: ErrorCode, reason: str, message: str, default_headers: list[t
     return b"".join(head) + body
 
 
-def http_protocol(max_query_bytes: int, parser: str = "auto") -> type[asyncio.Protocol]:
+def http_protocol(max_query_bytes: int, parser: str = "auto", hot: HotRoutes | None = None) -> type[asyncio.Protocol]:
     """uvicorn's HTTP/1.1 protocol (``parser``: httptools, h11, or auto: httptools when installed) accepting
-    query strings up to ``max_query_bytes`` and answering what it refuses in the API's JSON error format.
+    query strings up to ``max_query_bytes`` and answering what it refuses in the API's JSON error format. With
+    httptools, the ``hot`` routes' requests are answered in the parser's callbacks (see ``hot``).
 
     Left alone, httptools refuses any URL over 65,535 bytes (``httptools.parse_url`` keeps offsets in 16 bits) and
     h11 any request head over 16 KiB, with a plain-text ``400 Invalid HTTP request received.``: the wire format's
@@ -74,7 +76,7 @@ def http_protocol(max_query_bytes: int, parser: str = "auto") -> type[asyncio.Pr
     try:
         if parser == "h11":
             raise ImportError("h11 was asked for")
-        import httptools  # noqa: F401
+        import httptools
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
         if parser == "httptools":
@@ -92,6 +94,8 @@ def http_protocol(max_query_bytes: int, parser: str = "auto") -> type[asyncio.Pr
 
     class HttpTools(HttpToolsProtocol):
         url_too_long = False
+        hot_request: HotRequest | None = None  # the request being answered on the hot path, and its body so far
+        hot_body = b""
 
         def on_url(self, url: bytes) -> None:
             super().on_url(url)
@@ -99,7 +103,37 @@ def http_protocol(max_query_bytes: int, parser: str = "auto") -> type[asyncio.Pr
                 self.url_too_long = True
                 raise ValueError("URL too long")  # stops the parser: answered by send_400_response
 
+        def _may_answer_in_place(self) -> bool:
+            """Whether answering now keeps uvicorn's order and flow: no earlier answer still to come, a client
+            reading its answers, a plain keep-alive HTTP/1.1 request."""
+            cycle = self.cycle
+            parser = self.parser
+            return (
+                (cycle is None or cycle.response_complete)
+                and not self.pipeline
+                and not self.flow.write_paused
+                and not self.transport.is_closing()
+                and self.limit_concurrency is None
+                and parser.get_http_version() == "1.1"
+                and parser.should_keep_alive()
+                and not parser.should_upgrade()
+            )
+
+        def _hot_request(self) -> HotRequest | None:
+            """The hot request this one is (``hot``), or None: uvicorn's cycle takes it to the app."""
+            if hot is None or len(self.url) > 65535 or not self._may_answer_in_place():
+                return None  # (a longer URL is parsed below)
+            try:
+                parsed = httptools.parse_url(self.url)
+            except httptools.HttpParserInvalidURLError:
+                return None  # refused below, as uvicorn refuses it
+            return hot.accept(self.parser.get_method(), parsed.path, parsed.query or b"", self.headers)
+
         def on_headers_complete(self) -> None:
+            self.hot_request = self._hot_request()
+            if self.hot_request is not None:
+                self.hot_body = b""
+                return  # answered when the message completes
             url = self.url
             if len(url) <= 65535:
                 super().on_headers_complete()
@@ -114,6 +148,24 @@ def http_protocol(max_query_bytes: int, parser: str = "auto") -> type[asyncio.Pr
             if "path" in self.scope:  # the request goes on (not an upgrade): its task has not run yet
                 self.scope["query_string"] = query.partition(b"#")[0]
 
+        def on_body(self, body: bytes) -> None:
+            if self.hot_request is None:
+                super().on_body(body)
+                return
+            self.hot_body += body  # at most hot.MAX_HOT_BODY bytes, as its content-length said
+
+        def on_message_complete(self) -> None:
+            request = self.hot_request
+            if request is None or hot is None:
+                super().on_message_complete()
+                return
+            body, self.hot_request, self.hot_body = self.hot_body, None, b""
+            answer = hot.answer(request, body, self.server_state.default_headers)
+            self.transport.write(answer.data)
+            self.on_response_complete()  # as a finished cycle does: counted, reading resumed, keep-alive armed
+            if answer.close:
+                self.transport.close()
+
         def send_400_response(self, msg: str) -> None:
             headers = self.server_state.default_headers
             if self.url_too_long:
@@ -127,7 +179,11 @@ def http_protocol(max_query_bytes: int, parser: str = "auto") -> type[asyncio.Pr
     return HttpTools
 
 
-def _config(app: Any, *, max_query_bytes: int, parser: str = "auto", **kwargs: Any) -> uvicorn.Config:
+def _config(
+    app: Any, *, max_query_bytes: int, parser: str = "auto", hot_path: bool = True, **kwargs: Any
+) -> uvicorn.Config:
+    """uvicorn's settings for ``app``; ``hot_path``: answer the app's hot routes (``Guard.hot``) in the parser."""
+    hot = app.hot if hot_path and isinstance(app, Guard) else None
     try:
         import uvloop  # noqa: F401
 
@@ -138,7 +194,7 @@ def _config(app: Any, *, max_query_bytes: int, parser: str = "auto", **kwargs: A
     return uvicorn.Config(
         app,
         loop=loop,
-        http=http_protocol(max_query_bytes, parser),
+        http=http_protocol(max_query_bytes, parser, hot),
         h11_max_incomplete_event_size=max_query_bytes + _HEAD_ROOM,
         access_log=False,
         log_level="warning",
@@ -213,7 +269,8 @@ def serve_shards(shards: int, *, host: str, port: int, data_dir: str | Path | No
 class AppThread:
     """Any ASGI ``app`` on 127.0.0.1 in a background thread, on a free port unless ``port`` is given (tests,
     notebooks, embedding). Its URL is ``url``; ``with`` starts and stops it. ``max_query_bytes`` and ``parser``:
-    see ``http_protocol`` (the app's own limit is checked by its ``Guard``)."""
+    see ``http_protocol`` (the app's own limit is checked by its ``Guard``); ``hot_path=False``: the app answers
+    its hot routes too (the hot path's tests compare both)."""
 
     def __init__(
         self,
@@ -222,13 +279,14 @@ class AppThread:
         port: int = 0,
         max_query_bytes: int = ServerSettings.max_query_bytes,
         parser: str = "auto",
+        hot_path: bool = True,
     ) -> None:
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", port))
         self.port: int = self._socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(_config(app, max_query_bytes=max_query_bytes, parser=parser))
+        self._server = uvicorn.Server(_config(app, max_query_bytes=max_query_bytes, parser=parser, hot_path=hot_path))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
     def start(self, timeout: float = 10.0) -> Self:

@@ -78,11 +78,15 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+# Built once, as ``json.loads(text, parse_constant=...)`` would build it on every call (each /get hit reads one).
+_VALUE_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
 def _parse_value(text: str) -> Any:
     """The JSON value ``text`` holds, or ValueError: not JSON, a non-finite number, or a value the cache could
     not store itself (too deep, a huge integer, a lone surrogate) -- exactly what ``PUT /put`` accepts."""
     try:
-        value = json.loads(text, parse_constant=_refuse_constant)
+        value = _VALUE_DECODER.decode(text)
         canonical_json(value)
     except (ValueError, RecursionError, InvalidToolCall) as error:
         raise ValueError(str(error) or type(error).__name__) from None

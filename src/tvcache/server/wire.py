@@ -20,12 +20,12 @@ fixed here) are listed in docs/wire-compat.md.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 from pydantic import Field
-from starlette.datastructures import QueryParams
 
 from ..calls import ToolCall, canonical_json
 from ..errors import InvalidInput, InvalidToolCall
@@ -106,7 +106,20 @@ class RemoveIn(m.Request):
     history: NonEmptyHistory
 
 
+# Calls of short keys are kept (at most ~20 MB): every /get of a history builds each of its calls again, and
+# building one (canonical JSON and a digest) was a tenth of a hit (py-spy). A ToolCall is immutable.
+_KEPT_CALLS = 16_384
+_KEPT_KEY_CHARS = 1024
+
+
+@functools.lru_cache(maxsize=_KEPT_CALLS)
+def _kept_call(key: str) -> ToolCall:
+    return ToolCall(WIRE_TOOL, {"call": key})
+
+
 def wire_call(key: str) -> ToolCall:
+    if len(key) <= _KEPT_KEY_CHARS:
+        return _kept_call(key)
     return ToolCall(WIRE_TOOL, {"call": key})
 
 
@@ -555,7 +568,13 @@ class WireRoute:
 MAX_K = 1_000_000_000
 
 
-def parse_query(params: QueryParams, spec: tuple[Query, ...]) -> dict[str, Any]:
+class QueryValues(Protocol):
+    """A query string's parameters: Starlette's ``QueryParams``, or the hot path's ``hot.RawQuery``."""
+
+    def getlist(self, key: str) -> list[str]: ...
+
+
+def parse_query(params: QueryValues, spec: tuple[Query, ...]) -> dict[str, Any]:
     """The declared parameters of a query string, or InvalidInput (HTTP 400) naming what is wrong."""
     parsed: dict[str, Any] = {}
     for query in spec:
