@@ -133,17 +133,28 @@ def setting(tmp_path: Path) -> Iterator[tuple[Criu, Zygote, Trees]]:
     trees.close()
 
 
-def restore_shell(criu: Criu, images: Path, mount_fd: int) -> tuple[Shell, float]:
+def restore_shell(criu: Criu, images: Path, mount_fd: int, keepers: Keepers | None = None) -> tuple[Shell, float]:
     master, slave = os.openpty()
     tty.setraw(slave)
     try:
-        restored = criu.restore(images, tty_fd=slave, tree_mount_fd=mount_fd)
+        restored = criu.restore(images, tty_fd=slave, tree_mount_fd=mount_fd, keepers=keepers)
     except BaseException:
         os.close(master)
         raise
     finally:
         os.close(slave)
     return Shell(master, restored.tree, restored.pid), restored.seconds
+
+
+def dumped_after(setting: tuple[Criu, Zygote, Trees], command: str) -> Path:
+    """The images of a shell over the base tree that ran ``command``, dumped (the shell then closed)."""
+    criu, zygote, trees = setting
+    original = Shell.start(zygote, trees.mount([trees.base]))
+    try:
+        original.run(command)
+        return criu.dump(original.pid, trees.root / "images", tree_mountpoint=str(trees.base)).images
+    finally:
+        original.close()
 
 
 def counter(shell: Shell) -> int:
@@ -431,8 +442,8 @@ def test_a_network_namespace_nothing_can_configure_is_made_anew_not_carried(
     setting: tuple[Criu, Zygote, Trees],
 ) -> None:
     """The sandbox's processes lack CAP_NET_ADMIN, so its network namespace is exactly the zygote's new one
-    with its loopback up: the dump leaves it out (no ip(8) or iptables runs either way) and a restore makes it
-    again. The copy's network reads as the original's, and its server listens on its loopback."""
+    with its loopback up: the dump leaves it out (no ip(8) or iptables runs either way) and a restore joins a
+    new one its keeper made. The copy's network reads as the original's, and its server listens on its loopback."""
     criu, zygote, trees = setting
     original = Shell.start(zygote, trees.mount([trees.base]))
     try:
@@ -456,19 +467,14 @@ def test_a_network_namespace_nothing_can_configure_is_made_anew_not_carried(
 def test_restores_keep_the_kernel_probe_and_a_stale_one_is_probed_again(setting: tuple[Criu, Zygote, Trees]) -> None:
     """CRIU's probe of the kernel (~30 ms a start) is kept for this boot in a directory of root's alone; a copy
     that is not CRIU's (a kernel update, a truncated file) is found stale by CRIU, which probes again."""
-    criu, zygote, trees = setting
+    criu, _, trees = setting
     kept = kernel_data_path(criu.version)
     assert kept is not None
-    original = Shell.start(zygote, trees.mount([trees.base]))
-    try:
-        original.run("V=probe")
-        dumped = criu.dump(original.pid, trees.root / "images", tree_mountpoint=str(trees.base))
-    finally:
-        original.close()
+    images = dumped_after(setting, "V=probe")
     for content in (None, b"\x00not a kernel probe", b""):
         if content is not None:
             Path(kept).write_bytes(content)
-        shell, _ = restore_shell(criu, dumped.images, trees.mount([trees.base]))
+        shell, _ = restore_shell(criu, images, trees.mount([trees.base]))
         try:
             assert shell.run("echo $V") == "probe"
         finally:
@@ -476,7 +482,7 @@ def test_restores_keep_the_kernel_probe_and_a_stale_one_is_probed_again(setting:
         assert os.stat(kept).st_mode & 0o777 == 0o600
         assert os.stat(os.path.dirname(kept)).st_mode & 0o077 == 0
         assert Path(kept).read_bytes() != content  # CRIU's own probe replaced the stale copy
-    discard_images(dumped.images)
+    discard_images(images)
 
 
 def test_the_kernel_probe_is_never_read_from_a_directory_others_can_write(tmp_path: Path) -> None:
@@ -494,29 +500,16 @@ def test_the_kernel_probe_is_never_read_from_a_directory_others_can_write(tmp_pa
 
 @needs_criu
 def test_keepers_started_ahead_serve_restores_and_end_with_close(setting: tuple[Criu, Zygote, Trees]) -> None:
-    criu, zygote, trees = setting
+    criu, _, trees = setting
     keepers = Keepers(size=1)
-    original = Shell.start(zygote, trees.mount([trees.base]))
-    try:
-        original.run("V=ahead")
-        dumped = criu.dump(original.pid, trees.root / "images", tree_mountpoint=str(trees.base))
-    finally:
-        original.close()
+    images = dumped_after(setting, "V=ahead")
     served = []
     for _ in range(3):
         deadline = time.monotonic() + 10
         while not keepers.idle_pids() and served and time.monotonic() < deadline:
             time.sleep(0.01)
         waiting = keepers.idle_pids()
-        master, slave = os.openpty()
-        tty.setraw(slave)
-        try:
-            restored = criu.restore(
-                dumped.images, tty_fd=slave, tree_mount_fd=trees.mount([trees.base]), keepers=keepers
-            )
-        finally:
-            os.close(slave)
-        shell = Shell(master, restored.tree, restored.pid)
+        shell, _ = restore_shell(criu, images, trees.mount([trees.base]), keepers)
         try:
             assert shell.run("echo $V") == "ahead"
             served.append(waiting)
@@ -528,7 +521,7 @@ def test_keepers_started_ahead_serve_restores_and_end_with_close(setting: tuple[
     for pid in idle:
         assert not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
     assert keepers.idle_pids() == set()
-    discard_images(dumped.images)
+    discard_images(images)
 
 
 def test_ci_runs_the_criu_tests_rather_than_skipping_them() -> None:

@@ -7,9 +7,6 @@ import asyncio
 import errno
 import json
 import os
-import signal
-import subprocess
-import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -17,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from killed_children import run_until
 from tvcache import AlwaysSnapshot, Cache, JournalError, JournalWarning, NeverSnapshot, ToolCall
 from tvcache.cli import main as cli_main
 from tvcache.journal import Journal
@@ -454,19 +452,6 @@ STALLED_SNAPSHOT = textwrap.dedent(
     asyncio.run(main())
     """
 )
-
-
-def run_until(script: str, marker: str) -> str:
-    """Run ``script`` until it prints a line starting with ``marker``, then SIGKILL it; returns that line."""
-    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line.startswith(marker), f"the child ended early: {line!r}"
-    finally:
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-    return line
 
 
 def test_a_snapshot_written_but_never_journaled_is_removed_on_open(tmp_path: Path) -> None:

@@ -8,12 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 import shutil
-import signal
 import struct
-import subprocess
-import sys
 import textwrap
 import warnings
 import zlib
@@ -23,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from killed_children import run_until
 from tvcache import AlwaysSnapshot, Budget, Cache, JournalWarning, NeverSnapshot, ToolCall
 from tvcache.journal import Journal, Prefix
 from tvcache.recovery import JournalRecovery
@@ -450,20 +447,6 @@ def halfway(self, line, *rest):  # half of the new journal and of its checkpoint
     add(self, line, *rest)
 checkpoint.CheckpointWriter.add = halfway
 """
-
-
-def run_until(script: str, marker: str) -> None:
-    """Run ``script`` until it prints ``marker``, then SIGKILL it."""
-    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line.startswith(marker), f"the child ended early: {line!r}"
-    finally:
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-        if process.stdout is not None:
-            process.stdout.close()
 
 
 def test_a_kill_between_replacing_the_journal_and_writing_its_checkpoint(tmp_path: Path) -> None:
