@@ -41,9 +41,10 @@ from typing import Any
 
 from ..calls import ToolCall, ToolSpec
 from ..errors import InvalidToolCall, SandboxError, SnapshotDeclined, UnknownTool
-from ..protocol import Outcome, Snapshot
+from ..protocol import Outcome, Sandbox, Snapshot
 from ..sandboxes.shell.process import FIXED_PATH
 from ..sandboxes.shell.sandbox import ShellSandboxFactory
+from ._over_shells import OverPersistentShells
 
 __all__ = [
     "SHELL_KIND",
@@ -190,13 +191,15 @@ def os_error(name: str, path: str) -> dict[str, Any]:
     return {"class": f"builtins:{cls.__qualname__}", "args": [number, os.strerror(number)], "filename": path}
 
 
-class WorkspaceShellFactory:
+class WorkspaceShellFactory(OverPersistentShells["WorkspaceShellSandbox"]):
     """tvcache sandboxes that answer workspace operations in persistent shells of ``shell``; their snapshots are
     the shell backend's (files plus shell state), under their own kind. ``uploads``: where the workspace keeps
     what it uploads (by content digest); ``environment``: what each command gets; ``python``: the interpreter
     that runs the SDK's git code in the sandbox."""
 
     kind = SHELL_KIND
+    needs = "an OpenHands workspace needs"
+    sandbox = "an OpenHands workspace sandbox"
 
     def __init__(
         self,
@@ -208,45 +211,16 @@ class WorkspaceShellFactory:
         pauses: Path,
         deterministic: bool | None = None,
     ) -> None:
-        if not isinstance(shell, ShellSandboxFactory) or not shell.persistent:
-            raise InvalidToolCall(
-                "an OpenHands workspace needs a persistent shell factory, ShellSandbox.factory(tree, "
-                f"persistent=True); got {shell!r}"
-            )
-        self.shell = shell
+        super().__init__(shell, workspace_tool_specs(deterministic))
         self.uploads = uploads
         self.environment = dict(environment)
         self.python = python
         self.pauses = pauses
-        self._tools = workspace_tool_specs(deterministic)
-        self.cost_hints: Mapping[str, float] = getattr(shell, "cost_hints", {})
         self.live: WorkspaceShellSandbox | None = None  # the newest sandbox, what ``pause`` freezes
 
-    @property
-    def tools(self) -> Mapping[str, ToolSpec]:
-        return self._tools
-
-    async def start(self) -> WorkspaceShellSandbox:
-        self.live = WorkspaceShellSandbox(await self.shell.start(), self)
+    def wrap(self, inner: Sandbox) -> WorkspaceShellSandbox:
+        self.live = WorkspaceShellSandbox(inner, self)
         return self.live
-
-    async def fork(self, snapshot: Snapshot) -> WorkspaceShellSandbox:
-        self.live = WorkspaceShellSandbox(await self.shell.fork(self._inner(snapshot)), self)
-        return self.live
-
-    def discard(self, snapshot: Snapshot) -> None:
-        self.shell.discard(self._inner(snapshot))
-
-    def route_counts(self) -> dict[str, int]:
-        return self.shell.route_counts()
-
-    def _inner(self, snapshot: Snapshot) -> Snapshot:
-        if snapshot.kind != self.kind:
-            raise SandboxError(f"cannot fork an OpenHands workspace sandbox from a {snapshot.kind!r} snapshot")
-        return Snapshot(kind=self.shell.kind, path=snapshot.path, bytes=snapshot.bytes, meta=snapshot.meta)
-
-    def __repr__(self) -> str:
-        return f"WorkspaceShellFactory({self.shell!r})"
 
 
 class WorkspaceShellSandbox:

@@ -62,10 +62,11 @@ from pathlib import Path
 from typing import Any
 
 from ..calls import ToolCall, ToolSpec
-from ..errors import InvalidToolCall, SandboxError, SnapshotDeclined, UnknownTool
-from ..protocol import Outcome, Snapshot
+from ..errors import SandboxError, SnapshotDeclined, UnknownTool
+from ..protocol import Outcome, Sandbox, Snapshot
 from ..sandboxes.shell.process import FIXED_PATH
 from ..sandboxes.shell.sandbox import ShellSandboxFactory
+from ._over_shells import OverPersistentShells
 from .optional_imports import require
 
 __all__ = [
@@ -221,47 +222,21 @@ def answer(payload: Mapping[str, Any], arguments: Mapping[str, Any]) -> Any:
 # ------------------------------------------------------------------------------------------------- sandbox
 
 
-class SweRexShellFactory:
+class SweRexShellFactory(OverPersistentShells["SweRexShellSandbox"]):
     """tvcache sandboxes that answer SWE-ReX requests in persistent shells of ``shell``; their snapshots are the
     shell backend's (files plus shell state), under their own kind. ``uploads``: where the runtime keeps what it
     uploads (``keep_upload``)."""
 
     kind = SHELL_KIND
+    needs = "SWE-ReX sessions need"
+    sandbox = "a SWE-ReX shell sandbox"
 
     def __init__(self, shell: ShellSandboxFactory, *, uploads: Path, deterministic: bool | None = None) -> None:
-        if not isinstance(shell, ShellSandboxFactory) or not shell.persistent:
-            raise InvalidToolCall(
-                f"SWE-ReX sessions need a persistent shell factory, ShellSandbox.factory(tree, persistent=True); "
-                f"got {shell!r}"
-            )
-        self.shell = shell
+        super().__init__(shell, shell_tool_specs(deterministic))
         self.uploads = uploads
-        self._tools = shell_tool_specs(deterministic)
-        self.cost_hints: Mapping[str, float] = getattr(shell, "cost_hints", {})
 
-    @property
-    def tools(self) -> Mapping[str, ToolSpec]:
-        return self._tools
-
-    async def start(self) -> SweRexShellSandbox:
-        return SweRexShellSandbox(await self.shell.start(), self)
-
-    async def fork(self, snapshot: Snapshot) -> SweRexShellSandbox:
-        return SweRexShellSandbox(await self.shell.fork(self._inner(snapshot)), self)
-
-    def discard(self, snapshot: Snapshot) -> None:
-        self.shell.discard(self._inner(snapshot))
-
-    def route_counts(self) -> dict[str, int]:
-        return self.shell.route_counts()
-
-    def _inner(self, snapshot: Snapshot) -> Snapshot:
-        if snapshot.kind != self.kind:
-            raise SandboxError(f"cannot fork a SWE-ReX shell sandbox from a {snapshot.kind!r} snapshot")
-        return Snapshot(kind=self.shell.kind, path=snapshot.path, bytes=snapshot.bytes, meta=snapshot.meta)
-
-    def __repr__(self) -> str:
-        return f"SweRexShellFactory({self.shell!r})"
+    def wrap(self, inner: Sandbox) -> SweRexShellSandbox:
+        return SweRexShellSandbox(inner, self)
 
 
 class SweRexShellSandbox:
