@@ -309,7 +309,7 @@ class Criu:
             "network": meta.get("network"),
         }
         began = time.perf_counter()
-        keeper, mine = (keepers or Keepers(size=0)).take()
+        keeper, mine = keepers.take() if keepers is not None else _start_keeper()
         try:
             fds = [fd for fd, _ in inherit] + ([tree_mount_fd] if mount and tree_mount_fd is not None else [])
             send(mine, json.dumps(spec).encode(), fds)
