@@ -85,6 +85,17 @@ def recorded(occupancy: Occupancy, step: str, original: Callable[..., Any]) -> C
     return record
 
 
+def recorded_steps(occupancy: Occupancy, step: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``recorded`` for an operation written as steps (``process.Steps``): inside from its first step to its end,
+    on the event loop or in a worker."""
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        with occupancy.inside(step):
+            return (yield from original(*args, **kwargs))
+
+    return record
+
+
 def make_factory(tmp_path: Path, *, persistent: bool) -> ShellSandboxFactory:
     base = tmp_path / "base"
     base.mkdir()
@@ -99,10 +110,10 @@ def make_factory(tmp_path: Path, *, persistent: bool) -> ShellSandboxFactory:
 
 
 def instrument_calls(monkeypatch: pytest.MonkeyPatch, occupancy: Occupancy, *, persistent: bool) -> None:
-    """Record the thread each flavour runs a command in: bash -c under run_confined, or the live shell's run."""
+    """Record when each flavour runs a command: bash -c under run_confined, or the live shell's steps."""
     if persistent:
-        original = PersistentShellSandbox._run_command
-        monkeypatch.setattr(PersistentShellSandbox, "_run_command", recorded(occupancy, "call", original))
+        original = PersistentShellSandbox._command_steps
+        monkeypatch.setattr(PersistentShellSandbox, "_command_steps", recorded_steps(occupancy, "call", original))
     else:
         monkeypatch.setattr(shell_module, "run_confined", recorded(occupancy, "call", _process.run_confined))
 

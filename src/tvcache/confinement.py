@@ -115,6 +115,19 @@ class ConfinementProbe:
     output: Callable[[Outcome], str] = field(default=lambda outcome: outcome.output)
 
 
+def _bind_unix(listener: socket.socket, path: Path) -> None:
+    """Bind ``listener`` at ``path``; through a descriptor of its directory when the path is longer than the 107
+    bytes a unix socket's address holds (a deep working directory is)."""
+    if len(os.fsencode(str(path))) < 108:
+        listener.bind(str(path))
+        return
+    directory = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        listener.bind(f"/proc/self/fd/{directory}/{path.name}")
+    finally:
+        os.close(directory)
+
+
 class _Host:
     """What the checks plant on the host: secrets in hidden directories, a unix socket and a TCP listener that
     log every connection, and a process with a unique command line."""
@@ -130,7 +143,7 @@ class _Host:
             (directory / "secret").write_text(self.token)
             os.chmod(directory / "secret", 0o600)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind(str(directory / "socket"))
+            _bind_unix(listener, directory / "socket")
             os.chmod(directory / "socket", 0o600)
             listener.listen(8)
             listener.setblocking(False)
@@ -239,7 +252,9 @@ async def _host_services(run: _Run) -> None:
         if status == 0:  # visible: it must still not connect (python3 only where the sandbox has it)
             await run.run(
                 sandbox,
-                f"python3 -c 'import socket; s = socket.socket(socket.AF_UNIX); s.connect(\"{path}\")' 2>&1",
+                # From its directory: a unix socket's path is limited to 107 bytes, the working directory's is not.
+                f"cd {path.parent} && python3 -c 'import socket; s = socket.socket(socket.AF_UNIX); "
+                f's.connect("{path.name}")\' 2>&1',
             )
     await run.run(sandbox, f"exec 3<>/dev/tcp/127.0.0.1/{run.host.port}")
     await asyncio.sleep(0.05)  # a connection made is queued at once; this only lets the kernel finish it

@@ -162,9 +162,11 @@ def _keep_kernel_data(kept: str, seeded: bytes | None) -> None:
         pass  # the next restore probes again
 
 
-def _run_criu(channel: socket.socket, argv: list[str], keep: list[int], group: TreeCgroup | None) -> int | None:
-    """Run CRIU with only ``keep`` (and stdio) open, in ``group``; its exit code, or None when the channel closed
-    first."""
+def _run_criu(
+    channel: socket.socket, argv: list[str], keep: list[int], group: TreeCgroup | None, path: str
+) -> int | None:
+    """Run CRIU with only ``keep`` (and stdio) open, in ``group``, with ``path`` as its PATH; its exit code, or
+    None when the channel closed first."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child execs at once
         try:
@@ -172,7 +174,7 @@ def _run_criu(channel: socket.socket, argv: list[str], keep: list[int], group: T
                 group.enter()  # CRIU, and so every process it restores, runs in the tree's cgroup
             for fd in keep:
                 os.set_inheritable(fd, True)
-            os.execv(argv[0], argv)
+            os.execve(argv[0], argv, {"PATH": path})
         finally:
             os._exit(127)
     pidfd = os.pidfd_open(pid)
@@ -262,7 +264,8 @@ def serve(channel_fd: int) -> NoReturn:
     (CRIU's keys of the descriptors that come with the request, in order), ``mount`` (whether the sandbox's
     tree, a detached mount, comes after them), ``tree_key``, ``root`` and ``cgroups`` (or null), ``network``
     ("loopback": the tree joins the keeper's new network namespace, see ``criu``), ``last_pid``
-    (or null: see ``_set_last_pid``) and ``kernel_data`` (or null: see ``_kernel_data_on_tmpfs``)."""
+    (or null: see ``_set_last_pid``), ``kernel_data`` (or null: see ``_kernel_data_on_tmpfs``) and ``path`` (CRIU's
+    PATH)."""
     channel = socket.socket(fileno=channel_fd)
     os.set_inheritable(channel_fd, False)
     # The network namespace a tree that cannot configure its own joins (``network`` "loopback"), made while
@@ -299,7 +302,7 @@ def serve(channel_fd: int) -> NoReturn:
             argv += ["--external", f"mnt[{spec['tree_key']}]:{attached}"]
         kept = spec.get("kernel_data")
         seeded = _kernel_data_on_tmpfs(kept) if kept is not None else None
-        code = _run_criu(channel, argv, inherit, group)
+        code = _run_criu(channel, argv, inherit, group, spec.get("path") or os.environ.get("PATH", ""))
         if kept is not None and code == 0:
             _keep_kernel_data(kept, seeded)
         for fd in inherit:

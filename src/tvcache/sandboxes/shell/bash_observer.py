@@ -189,6 +189,7 @@ class BashObserver:
         self._syscall = -1
         self._io = -1
         self._mem = -1
+        self._mem_writer = -1
         self._children = -1
         try:
             exe = f"/proc/{pid}/exe"
@@ -259,13 +260,12 @@ class BashObserver:
         """Set bash's line counter (``$LINENO`` of the next command) while it waits for a line: the driver types
         one line more per command than a user would (the group's closing line), and takes it back here, so
         that ``$LINENO`` counts as at a terminal. The only write the driver makes into the shell."""
-        address = self._line_number
         try:
-            descriptor = os.open(f"/proc/{self.pid}/mem", os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                written = os.pwrite(descriptor, int(value).to_bytes(4, "little", signed=True), address)
-            finally:
-                os.close(descriptor)
+            if self._mem_writer < 0:
+                # Kept open: a descriptor of /proc/<pid>/mem stays with the image it was opened on, so after an
+                # exec it writes nothing, where one opened anew would write into the new program.
+                self._mem_writer = os.open(f"/proc/{self.pid}/mem", os.O_WRONLY | os.O_CLOEXEC)
+            written = os.pwrite(self._mem_writer, int(value).to_bytes(4, "little", signed=True), self._line_number)
         except OSError as error:
             raise ShellReplaced(f"the shell's line counter cannot be set ({error.strerror})") from None
         if written != 4:
@@ -328,7 +328,7 @@ class BashObserver:
         return data
 
     def close(self) -> None:
-        for name in ("_syscall", "_io", "_mem", "_children"):
+        for name in ("_syscall", "_io", "_mem", "_mem_writer", "_children"):
             descriptor = getattr(self, name)
             if descriptor >= 0:
                 os.close(descriptor)

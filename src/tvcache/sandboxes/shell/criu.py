@@ -116,6 +116,11 @@ _WITH_KERNEL_DATA = (
     "-c",
     'mount -t tmpfs -o mode=755,nosuid,nodev,noexec tmpfs /run 2>/dev/null && cat "$0" >/run/criu.kdat; exec "$@"',
 )
+# A restore into a network namespace CRIU does not restore (``network`` "loopback": the dump left it out) has no
+# iptables rules to restore, yet CRIU first asks the iptables binaries which backend they use (four runs of them,
+# ~13 ms here); with none on its PATH the questions fail at once. tar and gzip (the tmpfs images) are in /usr/bin.
+_FIREWALL_TOOLS = ("iptables-restore", "ip6tables-restore", "iptables-legacy-restore", "ip6tables-legacy-restore")
+_WITHOUT_FIREWALL_TOOLS = "/usr/bin:/bin"
 _UMASK = 0o077  # what CRIU writes (images, logs, the restore's scratch) is its user's alone
 
 
@@ -307,6 +312,7 @@ class Criu:
             "cgroups": cgroups,
             "kernel_data": kernel_data_path(self.version),
             "network": meta.get("network"),
+            "path": _restore_path(meta.get("network")),
         }
         began = time.perf_counter()
         keeper, mine = keepers.take() if keepers is not None else _start_keeper()
@@ -613,35 +619,62 @@ def _foreign_mounts(pid: int, tree_mountpoint: str | None) -> list[str]:
     return found
 
 
+@functools.cache
+def _restore_path(network: object) -> str:
+    """The PATH a restore's CRIU runs with (see ``_WITHOUT_FIREWALL_TOOLS``)."""
+    if network != "loopback":
+        return CRIU_PATH
+    if any(shutil.which(tool, path=_WITHOUT_FIREWALL_TOOLS) for tool in _FIREWALL_TOOLS):
+        return CRIU_PATH  # a system that keeps them in /usr/bin
+    if not all(shutil.which(tool, path=_WITHOUT_FIREWALL_TOOLS) for tool in ("tar", "gzip")):
+        return CRIU_PATH
+    return _WITHOUT_FIREWALL_TOOLS
+
+
 def _run(argv: list[str], timeout: float) -> tuple[int, str]:
-    """Run CRIU in its own session with no descriptor of ours; killed (and reaped) on timeout or interrupt."""
-    process = subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        cwd="/",
-        env={"PATH": CRIU_PATH},
-        start_new_session=True,
-        umask=_UMASK,
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except BaseException:
-        # SIGTERM first: CRIU then takes its parasite code out of the tree and lets it go on, whereas a
-        # SIGKILL while the parasite runs takes the tree down with it.
-        for signum, grace in ((signal.SIGTERM, STOP_SECONDS), (signal.SIGKILL, None)):
+    """Run CRIU in its own session with no descriptor of ours; killed on timeout or interrupt. It ends with its
+    whole process group: a CRIU killed halfway (by our timeout, or by anyone) leaves the helpers it forked into
+    the tree's namespaces behind, orphaned, and they would hold its output open until our timeout."""
+    with tempfile.TemporaryFile() as output:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            cwd="/",
+            env={"PATH": CRIU_PATH},
+            start_new_session=True,
+            umask=_UMASK,
+        )
+        ended = os.pidfd_open(process.pid)
+        timed_out = False
+        try:
+            if not select.select([ended], [], [], timeout)[0]:
+                timed_out = True
+                _stop_group(process.pid, ended)
+        except BaseException:
+            _stop_group(process.pid, ended)
+            raise
+        finally:
+            # Until it is reaped, the ended leader keeps its group's id: what is left in the group is CRIU's.
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signum)
-            try:
-                process.communicate(timeout=grace)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        if isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            os.close(ended)
+        if timed_out:
             return -1, f"(killed after {timeout:g} s)"
-        raise
-    return process.returncode, output.decode(errors="replace")
+        output.seek(0)
+        return process.returncode, output.read().decode(errors="replace")
+
+
+def _stop_group(leader: int, ended: int) -> None:
+    """SIGTERM first: CRIU then takes its parasite code out of the tree and lets it go on, whereas a SIGKILL
+    while the parasite runs takes the tree down with it. SIGKILL if it has not ended ``STOP_SECONDS`` later."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(leader, signal.SIGTERM)
+    if not select.select([ended], [], [], STOP_SECONDS)[0]:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader, signal.SIGKILL)
 
 
 def _how(code: int, timeout: float) -> str:

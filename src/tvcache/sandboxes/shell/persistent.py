@@ -53,7 +53,7 @@ from ...errors import SandboxError, SnapshotDeclined
 from ...protocol import Outcome, Snapshot
 from .cgroups import HitReader
 from .layers import Layer
-from .process import describe_hit, finish_in_thread, render_shell, run_in_worker
+from .process import Steps, describe_hit, finish_in_thread, render_shell, run_briefly_then_in_worker
 from .pty_shell import PtyResult, PtyShell
 from .routes import PERSISTENT_KIND, ROUTES, discard_process_state
 from .sandbox import ShellSandbox, ShellSandboxFactory, _hard_linked, register_persistent_sandbox
@@ -72,6 +72,11 @@ from .zygote import Spawned
 # PERSISTENT_KIND, ROUTES and discard_process_state live in ``routes`` (the factory needs them and cannot import
 # this module); they stay importable from here.
 __all__ = ["NEW_SHELL_NOTE", "PERSISTENT_KIND", "ROUTES", "PersistentShellSandbox", "discard_process_state"]
+
+# A command's first millisecond runs on the caller's event loop (``run_briefly_then_in_worker``): most commands of an
+# agent are done by then, and the hop to a worker thread and back (~0.1 ms, more on a busy machine) would cost more
+# than they do. A longer one goes on in a thread, as every command did before.
+INLINE_BUDGET = 0.001
 
 
 class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
@@ -125,12 +130,12 @@ class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
             self._note_limit_hit()  # a background process may have hit a limit after the last call returned
             self._require_within_limits()
 
-            def run(abandon: threading.Event) -> tuple[PtyResult, bool, int | None, bool]:
-                result, restarted, code = self._run_command(command, timeout, "", abandon)
+            def steps(abandon: threading.Event) -> Steps[tuple[PtyResult, bool, int | None, bool]]:
+                result, restarted, code = yield from self._command_steps(command, timeout, "", abandon)
                 return result, restarted, code, self._hit_during_call(result)
 
             try:
-                result, restarted, code, hit = await run_in_worker(run, self._kill_shell)
+                result, restarted, code, hit = await run_briefly_then_in_worker(steps, self._kill_shell, INLINE_BUDGET)
             except OSError as error:
                 raise SandboxError(f"cannot run a command in the persistent shell: {error}") from error
             if hit:

@@ -15,7 +15,8 @@ import select
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -203,6 +204,43 @@ async def run_cancellable(argv: list[str], *, live_groups: set[int], **options: 
             kill_group(group)
 
     return await run_in_worker(run, kill_all)
+
+
+# A blocking operation written as a generator that yields, before each wait, the longest it may wait (seconds):
+# ``drive`` runs it to its end, blocking; ``run_briefly_then_in_worker`` takes its first steps on the event loop.
+Steps = Generator[float, None, T]
+
+
+def drive(steps: Steps[T]) -> T:
+    """Run ``steps`` to its end, waiting wherever it waits."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+async def run_briefly_then_in_worker(
+    steps_for: Callable[[threading.Event], Steps[T]], kill_all: Callable[[], None], budget: float
+) -> T:
+    """``steps_for(abandon)`` on the event loop itself while its waits fit in ``budget`` seconds, the rest in a
+    worker thread as ``run_in_worker``. For work that is usually done within a millisecond (a persistent shell's
+    command), where the hop to a thread and back costs more than the work: the loop is held for ``budget`` at
+    most, and a wait longer than what is left of it goes to the thread."""
+    abandon = threading.Event()
+    steps = steps_for(abandon)
+    end = time.monotonic() + budget
+    try:
+        while next(steps) <= end - time.monotonic():
+            pass
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+    def cancel() -> None:
+        abandon.set()
+        kill_all()
+
+    return await finish_in_thread(lambda: drive(steps), on_cancel=cancel)
 
 
 async def run_in_worker(run: Callable[[threading.Event], T], kill_all: Callable[[], None]) -> T:

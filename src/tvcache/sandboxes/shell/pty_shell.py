@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import math
 import os
 import re
 import select
@@ -70,7 +71,7 @@ from typing import Any
 from ...errors import SandboxError
 from .bash_observer import BashObserver, Idle, ShellGone, ShellReplaced, UnknownBash
 from .capture import CAPTURE_PROTOCOL, CaptureRefused, prepare_capture, take_capture
-from .process import ShellResult
+from .process import ShellResult, Steps, drive
 from .zygote import Spawned, Zygote
 
 __all__ = [
@@ -337,6 +338,7 @@ class PtyShell:
         if pipe < 0 or self.spawned is None:
             raise SandboxError("this shell is not a warm shell waiting for its state")
         self._boot_pipe = -1
+        self._prompts_current = False  # the state it takes sets them
         deadline = time.monotonic() + START_SECONDS
         try:
             try:
@@ -391,6 +393,7 @@ class PtyShell:
             ((), None),
             (None, None, None),
         )
+        self._prompts_current = False  # read since the last line was typed
         self._others_after: dict[int, tuple[int, bool]] = {}  # the processes besides bash after the last call
         self._jobs_after: tuple[int, int] | None = None  # bash's job table then (None: no call yet)
         self.spawned = None
@@ -449,9 +452,15 @@ class PtyShell:
                 raise
 
     def _write(self, data: bytes, deadline: float) -> bool:
+        return drive(self._writing(data, deadline))
+
+    def _writing(self, data: bytes, deadline: float) -> Steps[bool]:
         view = memoryview(data)
         while view:
-            _, ready, _ = select.select([], [self._master], [], max(0.0, deadline - time.monotonic()))
+            _, ready, _ = select.select([], [self._master], [], 0)
+            if not ready:  # the terminal's input queue is full: bash reads it while busy with nothing else
+                yield max(0.0, deadline - time.monotonic())
+                _, ready, _ = select.select([], [self._master], [], max(0.0, deadline - time.monotonic()))
             if not ready:
                 return False
             try:
@@ -490,10 +499,14 @@ class PtyShell:
             return True
 
     def _type(self, line: bytes, deadline: float) -> int | None:
+        return drive(self._typing(line, deadline))
+
+    def _typing(self, line: bytes, deadline: float) -> Steps[int | None]:
         """Write ``line`` to the terminal; the shell's read count it must reach once it took the line, or None
         when the terminal does not take it by ``deadline``."""
         target = self.observer.bytes_read() + len(line)
-        return target if self._write(line, deadline) else None
+        self._prompts_current = False  # the line may set them
+        return target if (yield from self._writing(line, deadline)) else None
 
     def _wait_for_prompt(
         self,
@@ -504,6 +517,17 @@ class PtyShell:
         taken: int = 0,
         longest: float = _LAST_PAUSE,
     ) -> Idle | None:
+        return drive(self._waiting(deadline, into, abandon, taken=taken, longest=longest))
+
+    def _waiting(
+        self,
+        deadline: float,
+        into: OutputCollector,
+        abandon: threading.Event | None = None,
+        *,
+        taken: int = 0,
+        longest: float = _LAST_PAUSE,
+    ) -> Steps[Idle | None]:
         """Collect output until bash's top-level reader waits for a line, having read ``taken`` bytes in all,
         then every byte written before that (``select`` on the master pushes the terminal's pending input to
         it); None at the deadline. Checks start tight and back off, so a quick command is seen at once and a
@@ -519,6 +543,7 @@ class PtyShell:
             if remaining <= 0 or (abandon is not None and abandon.is_set()):
                 return None
             # Output (a prompt, printed just before bash waits) wakes us; otherwise back off.
+            yield min(pause, remaining)
             pause = _FIRST_PAUSE if self._read_some(min(pause, remaining), into) else min(pause * 2, longest)
 
     def _wait_outside_command(self, deadline: float) -> Idle | None:
@@ -557,7 +582,16 @@ class PtyShell:
     # ------------------------------------------------------------------ commands
 
     def run(self, command: str, *, timeout: float, limit: int, abandon: threading.Event | None = None) -> PtyResult:
-        """Type one command as a group, ``{ <command>`` then ``} </dev/null`` (see the module docstring), and
+        return drive(self.steps(command, timeout=timeout, limit=limit, abandon=abandon))
+
+    def steps(
+        self, command: str, *, timeout: float, limit: int, abandon: threading.Event | None = None
+    ) -> Steps[PtyResult]:
+        """``run`` as ``Steps``: it yields before each wait, so that a caller may take the first ones on its
+        event loop and hand the rest to a thread (``session``); ``math.inf`` before a wait of the slow paths
+        (a timeout's recovery, an incomplete command, a shell that ended).
+
+        Type one command as a group, ``{ <command>`` then ``} </dev/null`` (see the module docstring), and
         wait until bash's top-level reader waits again; its ``$?`` then is the status. A timeout interrupts the
         foreground job (SIGINT, then SIGKILL); the shell lives on unless even that fails, when it is killed."""
         collected = OutputCollector(limit)
@@ -588,8 +622,8 @@ class PtyShell:
                 line = _CLOSE_GROUP
                 typed = f"{lines[0]}\n{_CLOSE_GROUP}\n".encode("utf-8", errors="surrogateescape")
                 at_once = prompts[2]
-                taken = self._type(typed, deadline)
-                state = None if taken is None else self._wait_for_prompt(deadline, step, abandon, taken=taken)
+                taken = yield from self._typing(typed, deadline)
+                state = None if taken is None else (yield from self._waiting(deadline, step, abandon, taken=taken))
                 if state is not None and not state.continuation:
                     ps0, _, ps2 = prompts
                     ps1 = (self._fixed_prompts() or prompts)[1]  # the command may have set it
@@ -600,10 +634,10 @@ class PtyShell:
             for line in [*lines, _CLOSE_GROUP] if lines else []:
                 step = OutputCollector(limit + _PROMPT_ROOM)
                 typed = line.encode("utf-8", errors="surrogateescape") + b"\n"
-                taken = self._type(typed, deadline)
+                taken = yield from self._typing(typed, deadline)
                 if taken is None:
                     break
-                state = self._wait_for_prompt(deadline, step, abandon, taken=taken)
+                state = yield from self._waiting(deadline, step, abandon, taken=taken)
                 if state is None:
                     break
                 if not state.continuation:  # the group ran (closed by us, or by the command), or bash refused it
@@ -617,11 +651,14 @@ class PtyShell:
                 verbose = state.verbose
             if state is None:
                 collected.absorb(step, _without_prefix(bytes(step.kept), at_once))
+                yield math.inf
                 self._recover()
                 return self._result(collected, None, background=True, timed_out=True)
             if state.continuation:
+                yield math.inf
                 return self._incomplete(collected, command, before, deadline, processes)
             if state.editing:  # readline now echoes and edits what is typed: not a terminal we can drive exactly
+                yield math.inf
                 collected.add(EDITING_NOTE.encode())
                 self.kill()
                 self.close()
@@ -633,13 +670,15 @@ class PtyShell:
             self._idle = state
             self.lineno, self.status, self.last_command = state.lineno, state.status, command
             after = self._others_after = self._others()
-            jobs_after = self._jobs_after = self.observer.job_table()
+            last_job_after, *table_after = self.observer.jobs()
+            jobs_after = self._jobs_after = (table_after[0], table_after[1])
             # A job of the shell ended during the call (more ended, or fewer left), or one it started ended already.
-            job_moved = jobs_after[1] != jobs[1] or jobs_after[0] < jobs[0] or self._job_ended(last_job)
+            job_moved = jobs_after[1] != jobs[1] or jobs_after[0] < jobs[0] or self._job_ended(last_job, last_job_after)
             return self._result(
                 collected, state.status, background=background or job_moved or self._wrote(processes, after)
             )
         except ShellReplaced as replaced:
+            yield math.inf
             collected.absorb(step, _without_prefix(bytes(step.kept), at_once))
             ended = not os.path.exists(f"/proc/{self.pid}/exe") or not self.alive  # it exited, not exec'd
             self._drain_ended(collected)
@@ -647,6 +686,7 @@ class PtyShell:
             self.close()
             return self._result(collected, None, background=True, died=True, replaced=None if ended else str(replaced))
         except ShellGone:
+            yield math.inf
             # What the command printed before it ended the shell.
             collected.absorb(step, _without_prefix(bytes(step.kept), at_once))
             self.close()
@@ -654,9 +694,13 @@ class PtyShell:
 
     def _decoded_prompts(self) -> tuple[bytes | None, bytes | None, bytes | None]:
         """PS0, PS1 and PS2 as bash prints them (``decode_prompt``: None for one that is not fixed), with ``\\s``
-        from bash's current ``$0``. The last decoding is kept: most calls change no prompt."""
-        raw = self.observer.prompts()
+        from bash's current ``$0``. What was read stays current until a line is typed (between calls nothing else runs
+        in the shell but the capture, which sets no prompt); the last decoding is kept: most calls set none."""
         read, decoded = self._prompts_seen
+        if self._prompts_current and self.escapes is read[1]:
+            return decoded
+        raw = self.observer.prompts()
+        self._prompts_current = True
         if raw != read[0] or self.escapes is not read[1]:
             escapes = {**self.escapes, "s": os.path.basename(raw[3].decode("utf-8", "surrogateescape"))}
             decoded = tuple(decode_prompt(prompt, escapes if self.escapes else {}) for prompt in raw[:3])  # type: ignore[assignment]
@@ -914,11 +958,11 @@ class PtyShell:
         started meanwhile and wrote): its bytes may be in the output, at a place that depends on timing."""
         return any(terminal and written != before.get(pid, (0, True))[0] for pid, (written, terminal) in after.items())
 
-    def _job_ended(self, last_job: int) -> bool:
+    def _job_ended(self, last_job: int, last_job_after: int) -> bool:
         """Whether the call started a background job that has already ended: whether bash noted it ("Done")
         before it waited for the next line depends on timing. (``$!`` is a PID of the shell's namespace, which
         the host cannot map back; a job that ended leaves fewer processes than it would.)"""
-        if self.observer.last_job() == last_job:
+        if last_job_after == last_job:
             return False
         namespace_pids = set()
         for pid in self._others_after:
@@ -926,7 +970,7 @@ class PtyShell:
                 for line in handle:
                     if line.startswith("NSpid:"):
                         namespace_pids.add(int(line.split()[-1]))
-        return self.observer.last_job() not in namespace_pids
+        return last_job_after not in namespace_pids
 
     def children(self) -> list[int]:
         """Processes whose parent is the shell; as PID 1 of its namespace it inherits every orphan, so this is

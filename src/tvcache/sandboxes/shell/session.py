@@ -8,13 +8,14 @@ ended one left (``_ended_code``) and how that reads (``_ended_note``); the rest 
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 
 from ...calls import ToolCall, ToolSpec
 from ...errors import InvalidToolCall
 from ...protocol import Outcome
-from .process import command_timeout, render_shell, validated
+from .process import Steps, command_timeout, drive, render_shell, validated
 from .pty_shell import PtyResult, PtyShell
 
 __all__ = ["NEW_SHELL_NOTE", "PersistentShellCalls", "persistent_command"]
@@ -63,8 +64,15 @@ class PersistentShellCalls:
     ) -> tuple[PtyResult, bool, int | None]:
         """Run ``command`` (in a worker thread): its result, whether a new shell had to start for it, and the
         code of a shell it ended."""
+        return drive(self._command_steps(command, timeout, what, abandon))
+
+    def _command_steps(
+        self, command: str, timeout: float, what: str, abandon: threading.Event
+    ) -> Steps[tuple[PtyResult, bool, int | None]]:
+        """``_run_command`` as ``Steps`` (``PtyShell.steps``); starting a new shell is never a quick step."""
         restarted = False
         if self._shell is None or not self._shell.alive:
+            yield math.inf
             if self._shell is not None:
                 self._shell.close()
             self._shell = None
@@ -72,7 +80,7 @@ class PersistentShellCalls:
             self._shell = self._new_shell(what)
             restarted = True
         shell = self._shell
-        result = shell.run(command, timeout=timeout, limit=self._output_limit(), abandon=abandon)
+        result = yield from shell.steps(command, timeout=timeout, limit=self._output_limit(), abandon=abandon)
         code = None
         if result.died:
             self._untrusted = "its shell ended" if result.replaced is None else "its shell replaced itself (exec)"
