@@ -215,7 +215,8 @@ def describe(confinement: Confinement, *, visible: tuple[str, ...] = ()) -> Host
     for path in (*confinement.private_dirs, "/dev/shm"):
         mounted = not confinement.rootfs or path == "/dev/shm" or os.path.isdir(confinement.base + path)
         if mounted:
-            entries.append(ViewEntry(path=path, kind="private tmpfs", why=f"empty at each start{size}"))
+            why = f"empty at each start; one tmpfs with the other private dirs{size}"
+            entries.append(ViewEntry(path=path, kind="private tmpfs", why=why))
     return HostView(base=confinement.base, rootfs=confinement.rootfs, entries=tuple(entries))
 
 

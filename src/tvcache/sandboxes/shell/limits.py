@@ -22,8 +22,9 @@ class SandboxLimits:
       into its tree and its tmpfs dirs are memory too (the layer store is on tmpfs) and count here;
     * ``cpus`` 1.0: one core at most; a command is one agent's tool call, and a busy loop must not take the
       cores the trainer's data loaders need (a single-threaded tool does not slow down at all);
-    * ``tmpfs_bytes`` 1 GiB for each private tmpfs (``/tmp``, ``/var/tmp``, ``/run``, ``/dev/shm``), instead
-      of the kernel's half of the memory each: writes there fail with ENOSPC rather than fill the node.
+    * ``tmpfs_bytes`` 1 GiB for the private tmpfs dirs together (``/tmp``, ``/var/tmp``, ``/run``, ``/dev/shm``:
+      one file system, as they are on most machines), instead of the kernel's half of the memory: writes there
+      fail with ENOSPC rather than fill the node.
     """
 
     pids: int | None = 1024
