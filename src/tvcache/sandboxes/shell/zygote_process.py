@@ -359,9 +359,10 @@ def _enter_small_root() -> None:
 def shared_tmpfs(paths: list[str], size: str | None) -> None:
     """One new tmpfs of ``size`` bytes (None: the kernel's default) whose directories are mounted at ``paths``,
     each empty, mode 1777. One file system for them all, not one each: a process snapshot (CRIU) archives and
-    unpacks each tmpfs with a tar and a gzip process of its own, about 3 ms apiece, and every fork pays that. CRIU needs the file system's own root mounted too: it is, at the last path,
-    under that path's own directory (so ``/proc/self/mountinfo`` lists two mounts there); nothing in the
-    sandbox can unmount it to see the others' directories."""
+    unpacks each tmpfs with a tar and a gzip process of its own, about 3 ms apiece, and every fork pays that.
+    CRIU needs the file system's own root mounted too: it is, at the last path, under that path's own directory
+    (so ``/proc/self/mountinfo`` lists two mounts there); nothing in the sandbox can unmount it to see the other
+    directories (hard links between them still fail: they are different mounts)."""
     if not paths:
         return
     root = linux.mount_tmpfs_detached(mode="0755", size=size, attributes=linux.NOSUID_NODEV)
