@@ -334,9 +334,11 @@ def test_criu_stopped_mid_dump_leaves_the_shell_running_and_nothing_behind(
                     for pid in own_processes():
                         try:
                             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                        except OSError:
+                            parent = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+                        except (OSError, ValueError):
                             continue
-                        if b"dump" in cmdline and str(images).encode() in cmdline:
+                        # CRIU itself, our child; not one of the helpers it forks (they have its command line).
+                        if parent == os.getpid() and b"dump" in cmdline and str(images).encode() in cmdline:
                             os.kill(pid, signal.SIGTERM)  # as the dump's timeout stops it
                             killed.append(pid)
 
@@ -442,8 +444,9 @@ def test_a_network_namespace_nothing_can_configure_is_made_anew_not_carried(
     setting: tuple[Criu, Zygote, Trees],
 ) -> None:
     """The sandbox's processes lack CAP_NET_ADMIN, so its network namespace is exactly the zygote's new one
-    with its loopback up: the dump leaves it out (no ip(8) or iptables runs either way) and a restore joins a
-    new one its keeper made. The copy's network reads as the original's, and its server listens on its loopback."""
+    with its loopback up: the dump leaves it out as an external namespace (no ip(8) or iptables runs either way)
+    and a restore gets a new one its keeper made. The copy's network reads as the original's, and its server
+    listens on its loopback."""
     criu, zygote, trees = setting
     original = Shell.start(zygote, trees.mount([trees.base]))
     try:
@@ -453,7 +456,7 @@ def test_a_network_namespace_nothing_can_configure_is_made_anew_not_carried(
         dumped = criu.dump(original.pid, trees.root / "images", tree_mountpoint=str(trees.base))
     finally:
         original.close()
-    assert json.loads((dumped.images / META_FILE).read_text())["network"] == "loopback"
+    assert json.loads((dumped.images / META_FILE).read_text())["network"] == "new loopback"
     shell, _ = restore_shell(criu, dumped.images, trees.mount([trees.base]))
     try:
         assert answers_http(shell)

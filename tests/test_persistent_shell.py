@@ -579,8 +579,10 @@ def test_criu_killed_mid_dump_declines_and_leaves_nothing_behind(tmp_path: Path)
         while time.monotonic() < deadline and not killed:
             if found is None:  # CRIU is a child of this process (started from a worker thread)
                 for pid in _descendants(os.getpid()):
-                    with contextlib.suppress(OSError):
-                        if str(images).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    with contextlib.suppress(OSError, ValueError):
+                        parent = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+                        # Not one of the helpers CRIU forks, which have its command line too and come and go.
+                        if parent == os.getpid() and str(images).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
                             found = pid
             elif (images / "dump.log").exists():  # CRIU logs as it starts to seize the tree
                 os.kill(found, signal.SIGKILL)

@@ -33,6 +33,10 @@ from . import linux
 from .cgroups import LimitWatch, TreeCgroup
 from .zygote_process import Confiner, loopback_up, make_mount_points, message, receive, send
 
+# A tree's network namespace that nothing in it can configure is external to CRIU (see ``criu``): the keeper
+# hands in a new one under this key, for images whose ``network`` says so.
+NEW_LOOPBACK, NETWORK_KEY = "new loopback", "tvcache-net"
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import NoReturn
@@ -263,13 +267,14 @@ def serve(channel_fd: int) -> NoReturn:
     (CRIU's, without the descriptors and the attach mapping), ``pidfile``, ``log``, ``scratch``, ``inherit``
     (CRIU's keys of the descriptors that come with the request, in order), ``mount`` (whether the sandbox's
     tree, a detached mount, comes after them), ``tree_key``, ``root`` and ``cgroups`` (or null), ``network``
-    ("loopback": the tree joins the keeper's new network namespace, see ``criu``), ``last_pid``
+    ("new loopback": the tree gets the keeper's new network namespace, "loopback": it joins it; see ``criu``),
+    ``last_pid``
     (or null: see ``_set_last_pid``), ``kernel_data`` (or null: see ``_kernel_data_on_tmpfs``) and ``path`` (CRIU's
     PATH)."""
     channel = socket.socket(fileno=channel_fd)
     os.set_inheritable(channel_fd, False)
-    # The network namespace a tree that cannot configure its own joins (``network`` "loopback"), made while
-    # the keeper waits: a new one with its loopback up, as the zygote makes each tree's.
+    # The network namespace of a tree that cannot configure its own (``network``), made while the keeper waits:
+    # a new one with its loopback up, as the zygote makes each tree's.
     host_network = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     linux.unshare(linux.CLONE_NEWNET)
     loopback_up()
@@ -292,6 +297,10 @@ def serve(channel_fd: int) -> NoReturn:
             argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
         if spec.get("network") == "loopback":
             argv += ["--join-ns", f"net:/proc/{os.getpid()}/ns/net"]
+        elif spec.get("network") == NEW_LOOPBACK:  # CRIU's external namespace, under its key
+            network = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            inherit = [*inherit, network]
+            argv += ["--inherit-fd", f"fd[{network}]:{NETWORK_KEY}"]
         else:  # CRIU restores the dumped namespace itself, from the host's
             linux.setns(host_network, linux.CLONE_NEWNET)
         os.close(host_network)

@@ -17,8 +17,10 @@ What crosses the boundary, and how:
 * nothing else: no other descriptor from outside is dumped or handed in (a tree holding one, such as a socket
   to the outside, fails to dump: the snapshot is declined). Network locking is skipped: the tree's network
   namespace has only its own loopback. When no process of the tree can configure that namespace (no
-  CAP_NET_ADMIN: a sandbox's tree), it is not dumped at all: a restore joins a new one with its loopback up,
-  exactly what the zygote made (``_cannot_configure_network``), without CRIU's ip(8) and iptables runs.
+  CAP_NET_ADMIN: a sandbox's tree), it is an external namespace to CRIU, not dumped at all: a restore puts the
+  tree in a new one with its loopback up, exactly what the zygote made (``_cannot_configure_network``), made
+  ahead by the restore's keeper, without CRIU's ip(8) and iptables runs (network ``"new loopback"``; images
+  of ``"loopback"``, from before, had CRIU make an empty one and join the keeper's).
 
 Speed: each restore's keeper is started ahead of it (``Keepers``, one kept idle per factory), and CRIU's probe
 of the kernel, which it keeps only on a tmpfs, is kept for this boot in a directory of root's and handed to
@@ -62,6 +64,7 @@ from pathlib import Path
 
 from ...errors import CriuError
 from ...private_storage import DIRECTORY_MODE, private_tree
+from ._criu_keeper import NETWORK_KEY, NEW_LOOPBACK
 from .layers import owner_is_gone, process_tag
 from .zygote import Spawned
 from .zygote_process import send
@@ -119,6 +122,7 @@ _WITH_KERNEL_DATA = (
 # A restore into a network namespace CRIU does not restore (``network`` "loopback": the dump left it out) has no
 # iptables rules to restore, yet CRIU first asks the iptables binaries which backend they use (four runs of them,
 # ~13 ms here); with none on its PATH the questions fail at once. tar and gzip (the tmpfs images) are in /usr/bin.
+# (A "new loopback" restore asks nothing: its namespace is external.)
 _FIREWALL_TOOLS = ("iptables-restore", "ip6tables-restore", "iptables-legacy-restore", "ip6tables-legacy-restore")
 _WITHOUT_FIREWALL_TOOLS = "/usr/bin:/bin"
 _UMASK = 0o077  # what CRIU writes (images, logs, the restore's scratch) is its user's alone
@@ -212,9 +216,9 @@ class Criu:
                 argv += ["--external", tty]
             if tree_mountpoint is not None:
                 argv += ["--external", f"mnt[{tree_mountpoint}]:{TREE_KEY}"]
-            network = "loopback" if _cannot_configure_network(pid) else None
+            network = NEW_LOOPBACK if _cannot_configure_network(pid) else None
             if network is not None:
-                argv += ["--empty-ns", "net"]
+                argv += ["--external", f"net[{os.stat(f'/proc/{pid}/ns/net').st_ino}]:{NETWORK_KEY}"]
             # A tree in a root of its own has no other container's mount to leave out, and its host paths, bound
             # from an overlay root (a host that is a container itself), must not be.
             for mountpoint in _foreign_mounts(pid, tree_mountpoint) if root is None else []:
@@ -622,7 +626,7 @@ def _foreign_mounts(pid: int, tree_mountpoint: str | None) -> list[str]:
 @functools.cache
 def _restore_path(network: object) -> str:
     """The PATH a restore's CRIU runs with (see ``_WITHOUT_FIREWALL_TOOLS``)."""
-    if network != "loopback":
+    if network not in ("loopback", NEW_LOOPBACK):
         return CRIU_PATH
     if any(shutil.which(tool, path=_WITHOUT_FIREWALL_TOOLS) for tool in _FIREWALL_TOOLS):
         return CRIU_PATH  # a system that keeps them in /usr/bin

@@ -41,7 +41,6 @@ WARM_BOOT_FD = 3
 WARM_LAST_PID_FD = 4
 _SIOCSIFFLAGS = 0x8914
 _LOOPBACK_UP = struct.pack("16sH14s", b"lo", 0x1, b"")  # IFF_UP
-TMPFS_FLAGS = linux.MS_NOSUID | linux.MS_NODEV
 PROC_FLAGS = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC | linux.MS_RDONLY
 
 
@@ -199,6 +198,7 @@ class Confiner:
         self.visible = [] if rootfs else list(visible)
         self.links = [] if rootfs else [(str(path), str(target)) for path, target in links]
         self.tmpfs_size = tmpfs_size
+        self._private_tmpfs: PrivateTmpfs | None = None  # from minimal_dev to private_tmpfs
         self.host_root: HostRoot | str | None = None  # set by the zygote (a string: why it could not be built)
         self._device_trees: list[tuple[str, int]] = []
         self._private_trees: list[tuple[str, int]] = []
@@ -281,8 +281,10 @@ class Confiner:
                 linux.mount(None, path, None, linux.MS_BIND | linux.MS_REMOUNT | linux.MS_RDONLY)
 
     def minimal_dev(self) -> None:
-        """A /dev holding only harmless devices: no disk of the host can be opened from inside."""
-        linux.mount("tmpfs", "/dev", "tmpfs", TMPFS_FLAGS, "mode=755")
+        """A /dev holding only harmless devices: no disk of the host can be opened from inside. It is a directory
+        of the private tmpfs (``PrivateTmpfs``), as ``/dev/shm`` and the private dirs will be."""
+        private = [path for path in self.private_dirs if os.path.isdir(path)]
+        self._private_tmpfs = PrivateTmpfs(["/dev/shm", *private], self.tmpfs_size)
         for name, tree in self._device_trees:
             with open(f"/dev/{name}", "w"):
                 pass
@@ -302,7 +304,9 @@ class Confiner:
     def private_tmpfs(self) -> None:
         """Fresh tmpfs dirs (``shared_tmpfs``), then the visible host paths under them, read-only where they were;
         and the mount point of the tree (the base may sit under a private tmpfs)."""
-        shared_tmpfs(["/dev/shm", *(path for path in self.private_dirs if os.path.isdir(path))], self.tmpfs_size)
+        private_tmpfs, self._private_tmpfs = self._private_tmpfs, None
+        assert private_tmpfs is not None, "minimal_dev comes first"
+        private_tmpfs.attach_dirs()
         for path, tree in self._private_trees:
             _attach(tree, path)
         self._private_trees = []
@@ -356,26 +360,43 @@ def _enter_small_root() -> None:
         os.close(root)
 
 
-def shared_tmpfs(paths: list[str], size: str | None) -> None:
-    """One new tmpfs of ``size`` bytes (None: the kernel's default) whose directories are mounted at ``paths``,
-    each empty, mode 1777. One file system for them all, not one each: a process snapshot (CRIU) archives and
-    unpacks each tmpfs with a tar and a gzip process of its own, about 3 ms apiece, and every fork pays that.
-    CRIU needs the file system's own root mounted too: it is, at the last path, under that path's own directory
-    (so ``/proc/self/mountinfo`` lists two mounts there); nothing in the sandbox can unmount it to see the other
-    directories (hard links between them still fail: they are different mounts)."""
-    if not paths:
-        return
-    root = linux.mount_tmpfs_detached(mode="0755", size=size, attributes=linux.NOSUID_NODEV)
-    try:
-        for index in range(len(paths)):
-            os.mkdir(str(index), dir_fd=root)
-            os.chmod(str(index), 0o1777, dir_fd=root)  # mkdir's mode goes through the umask
-        top = paths[-1]
-        linux.move_mount(root, top)
-    finally:
-        os.close(root)
-    for index, path in enumerate(paths):
-        tree = linux.open_tree_path(f"{top}/{index}")
+class PrivateTmpfs:
+    """One new tmpfs of ``size`` bytes (None: the kernel's default) for ``/dev`` (mode 755) and the private dirs
+    ``paths`` (each empty, mode 1777), each a directory of it mounted at its place. One file system for them all,
+    not one each: a process snapshot (CRIU) archives and unpacks each tmpfs with a tar and a gzip process of its
+    own, about 3 ms apiece, and every fork pays that. CRIU also needs the file system's own root mounted: it is,
+    at ``/dev``, under the directory that is ``/dev`` (``/proc/self/mountinfo`` lists two mounts there); nothing
+    in the sandbox can unmount it to reach the other directories (and a hard link between two of them still
+    fails: they are different mounts). ``/dev`` is attached at once, the private dirs by ``attach_dirs``."""
+
+    def __init__(self, paths: list[str], size: str | None) -> None:
+        self._paths = paths
+        self._root = linux.mount_tmpfs_detached(mode="0755", size=size, attributes=linux.NOSUID_NODEV)
+        try:
+            os.mkdir("dev", 0o755, dir_fd=self._root)
+            for index in range(len(paths)):
+                os.mkdir(str(index), dir_fd=self._root)
+                os.chmod(str(index), 0o1777, dir_fd=self._root)  # mkdir's mode goes through the umask
+            linux.move_mount(self._root, "/dev")
+            self._attach("dev", "/dev")
+        except BaseException:
+            os.close(self._root)
+            raise
+
+    def attach_dirs(self) -> None:
+        """The private dirs, once their mount points exist (``/dev/shm`` is made in ``/dev`` meanwhile)."""
+        try:
+            for index, path in enumerate(self._paths):
+                self._attach(str(index), path)
+        finally:
+            os.close(self._root)
+
+    def _attach(self, name: str, path: str) -> None:
+        directory = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._root)
+        try:
+            tree = linux.open_tree_clone(directory)
+        finally:
+            os.close(directory)
         try:
             linux.move_mount(tree, path)
         finally:
