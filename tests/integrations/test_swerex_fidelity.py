@@ -282,7 +282,10 @@ def test_difference_output_framing_and_startup_prompt(tmp_path: Path) -> None:
 @needs_overlay
 def test_difference_commands_that_read_stdin_get_end_of_file(tmp_path: Path) -> None:
     real, ours = both(tmp_path, "stdin", [('read x; echo "[$x]"', "silent")], timeout=1.0)
-    assert lines(real[1])[1] == CommandTimeoutError.__name__  # its terminal waits for a line
+    # Its `read` reads the terminal: it waits for a line (the usual end), or, on a busy machine, takes the line
+    # SWE-ReX types next for itself. Never end of file.
+    real_answer = lines(real[1])
+    assert real_answer[1] == CommandTimeoutError.__name__ or "[]" not in real_answer[0], real_answer
     assert lines(ours[1]) == (["[]"], 0, PS1)
 
 
