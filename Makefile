@@ -23,11 +23,12 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # The default suite in four worker processes (pytest-xdist; each with its own sandboxes and temporary
-# directories): most tests wait on shells, servers and subprocesses, so four beat two even on 2 cores.
-# PYTEST_WORKERS=0 runs it in this process.
+# directories): most tests wait on shells, servers and subprocesses, so four beat two even on 2 cores. Then,
+# one at a time, the tests whose reference answers by timing (marked serial). PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 4
 test: lint
-	$(PY) -m pytest -q -m 'not slow' -n $(PYTEST_WORKERS)
+	$(PY) -m pytest -q -m 'not slow and not serial' -n $(PYTEST_WORKERS)
+	$(PY) -m pytest -q -m 'serial and not slow'
 
 # CRIU >= 4.2 for the persistent shell's process snapshots (tests/test_criu.py skips, saying so, without it): a
 # minimal trixie root with forky's criu under /var/cache/tvcache/criu; ~75 s the first time, then a no-op. Root.

@@ -14,6 +14,10 @@ import pytest
 
 pytest.importorskip("swerex", reason="the 'swe-rex' extra is not installed: pip install 'tvcache[swe-rex]'")
 
+# Real SWE-ReX (pexpect on a pty) is the reference here, and it answers by timing: `make test` runs these after
+# the parallel part, one at a time.
+pytestmark = pytest.mark.serial
+
 from swerex.deployment.local import LocalDeployment  # noqa: E402
 from swerex.exceptions import CommandTimeoutError, NonZeroExitCodeError  # noqa: E402
 from swerex.runtime.abstract import (  # noqa: E402
