@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from ...calls import ToolCall, ToolSpec
 from ...errors import InvalidToolCall, SandboxError, UnknownTool
@@ -28,6 +28,7 @@ from .limits import SandboxLimits
 from .zygote import Spawned, SpawnError, Zygote
 
 T = TypeVar("T")
+P = ParamSpec("P")
 FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
 # How long to wait for the output pipe to close after the process group was killed.
 _DRAIN_SECONDS = 2.0
@@ -218,6 +219,15 @@ def drive(steps: Steps[T]) -> T:
             next(steps)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
+
+
+def blocking(steps: Callable[P, Steps[T]]) -> Callable[P, T]:
+    """The operation ``steps`` makes, run to its end (``drive``) when called."""
+
+    def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        return drive(steps(*args, **kwargs))
+
+    return run
 
 
 async def run_briefly_then_in_worker(

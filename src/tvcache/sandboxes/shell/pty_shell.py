@@ -71,7 +71,7 @@ from typing import Any
 from ...errors import SandboxError
 from .bash_observer import BashObserver, Idle, ShellGone, ShellReplaced, UnknownBash
 from .capture import CAPTURE_PROTOCOL, CaptureRefused, prepare_capture, take_capture
-from .process import ShellResult, Steps, drive
+from .process import ShellResult, Steps, blocking, drive
 from .zygote import Spawned, Zygote
 
 __all__ = [
@@ -451,9 +451,6 @@ class PtyShell:
                 self._buffer.clear()
                 raise
 
-    def _write(self, data: bytes, deadline: float) -> bool:
-        return drive(self._writing(data, deadline))
-
     def _writing(self, data: bytes, deadline: float) -> Steps[bool]:
         view = memoryview(data)
         while view:
@@ -471,6 +468,8 @@ class PtyShell:
                 raise
             view = view[written:]
         return True
+
+    _write = blocking(_writing)
 
     def _reset_terminal(self) -> None:
         """Raw mode again, whatever a command did with ``stty -F /dev/tty``: the protocol needs no echo and no
@@ -498,9 +497,6 @@ class PtyShell:
         except (ShellReplaced, OSError):
             return True
 
-    def _type(self, line: bytes, deadline: float) -> int | None:
-        return drive(self._typing(line, deadline))
-
     def _typing(self, line: bytes, deadline: float) -> Steps[int | None]:
         """Write ``line`` to the terminal; the shell's read count it must reach once it took the line, or None
         when the terminal does not take it by ``deadline``."""
@@ -508,16 +504,7 @@ class PtyShell:
         self._prompts_current = False  # the line may set them
         return target if (yield from self._writing(line, deadline)) else None
 
-    def _wait_for_prompt(
-        self,
-        deadline: float,
-        into: OutputCollector,
-        abandon: threading.Event | None = None,
-        *,
-        taken: int = 0,
-        longest: float = _LAST_PAUSE,
-    ) -> Idle | None:
-        return drive(self._waiting(deadline, into, abandon, taken=taken, longest=longest))
+    _type = blocking(_typing)
 
     def _waiting(
         self,
@@ -545,6 +532,8 @@ class PtyShell:
             # Output (a prompt, printed just before bash waits) wakes us; otherwise back off.
             yield min(pause, remaining)
             pause = _FIRST_PAUSE if self._read_some(min(pause, remaining), into) else min(pause * 2, longest)
+
+    _wait_for_prompt = blocking(_waiting)
 
     def _wait_outside_command(self, deadline: float) -> Idle | None:
         """After a SIGINT: wait until bash waits for a line with no command half read (what it prints is dropped)."""
