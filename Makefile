@@ -24,7 +24,8 @@ lint: $(STAMP)
 
 # The default suite in four worker processes (pytest-xdist; each with its own sandboxes and temporary
 # directories): most tests wait on shells, servers and subprocesses, so four beat two even on 2 cores. Then,
-# one at a time, the tests whose reference answers by timing (marked serial). PYTEST_WORKERS=0: one process.
+# one at a time, the tests that race a process on purpose or whose reference answers by timing (marked serial).
+# PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 4
 test: lint
 	$(PY) -m pytest -q -m 'not slow and not serial' -n $(PYTEST_WORKERS)

@@ -568,6 +568,7 @@ def test_no_space_for_the_image_declines_cleanly(tmp_path: Path) -> None:
 
 
 @needs_criu
+@pytest.mark.serial  # it races CRIU on purpose (a kill while it dumps)
 def test_criu_killed_mid_dump_declines_and_leaves_nothing_behind(tmp_path: Path) -> None:
     factory = factory_for(tmp_path)
     images = tmp_path / "snap.criu"

@@ -637,8 +637,9 @@ def _restore_path(network: object) -> str:
 
 def _run(argv: list[str], timeout: float) -> tuple[int, str]:
     """Run CRIU in its own session with no descriptor of ours; killed on timeout or interrupt. It ends with its
-    whole process group: a CRIU killed halfway (by our timeout, or by anyone) leaves the helpers it forked into
-    the tree's namespaces behind, orphaned, and they would hold its output open until our timeout."""
+    whole process group (``_end_group``): a CRIU killed halfway (by our timeout, or by anyone) leaves the helpers
+    it forked into the tree's namespaces behind, orphaned, and they would hold a pipe of its output open until
+    our timeout (its output goes to a file)."""
     with tempfile.TemporaryFile() as output:
         process = subprocess.Popen(
             argv,
@@ -661,14 +662,46 @@ def _run(argv: list[str], timeout: float) -> tuple[int, str]:
             raise
         finally:
             # Until it is reaped, the ended leader keeps its group's id: what is left in the group is CRIU's.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+            _end_group(process.pid)
             process.wait()
             os.close(ended)
         if timed_out:
             return -1, f"(killed after {timeout:g} s)"
         output.seek(0)
         return process.returncode, output.read().decode(errors="replace")
+
+
+def _end_group(leader: int) -> None:
+    """What is left of CRIU's process group once CRIU itself ended: helpers it forked, which end on their own a
+    moment later, or, orphaned by a CRIU that was killed, wait for it forever. They get ``STOP_SECONDS``, then
+    SIGTERM and as long again, then SIGKILL: a helper killed at once, while it still tidies up, can take the
+    dumped tree down with it."""
+    for signum in (None, signal.SIGTERM, signal.SIGKILL):
+        if signum is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(leader, signum)
+        deadline = time.monotonic() + STOP_SECONDS
+        while _group_members(leader):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        else:
+            return
+
+
+def _group_members(group: int) -> list[int]:
+    """The processes of process group ``group`` but its leader."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != group:
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as handle:
+                    fields = handle.read().rpartition(b")")[2].split()
+            except OSError:
+                continue
+            if len(fields) > 2 and int(fields[2]) == group:
+                members.append(int(entry))
+    return members
 
 
 def _stop_group(leader: int, ended: int) -> None:
