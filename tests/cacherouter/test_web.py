@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -90,19 +91,29 @@ def test_web_ui_in_chromium(server: AppThread, browser: Any, tmp_path: Path) -> 
     assert "stock_price:<b>ACME</b>" in state["turns"][1]["answer"]
     assert browser.find_elements(By.CSS_SELECTOR, "#transcript b") == []
 
+    def text_at(selector: str) -> str:
+        """The text at ``selector``, found anew on each try: the page may render the transcript again meanwhile
+        (an element of the last rendering is stale then)."""
+        from selenium.common.exceptions import StaleElementReferenceException
+
+        for _ in range(100):
+            try:
+                return str(browser.find_element(By.CSS_SELECTOR, selector).text)
+            except StaleElementReferenceException:
+                time.sleep(0.05)
+        raise AssertionError(f"{selector} kept being rendered again")
+
     # Each tool call: name, router target, arguments and result as the server reports them.
     routed = []
     for turn in state["turns"]:
         assert turn["calls"]
         for call in turn["calls"]:
-            node = browser.find_element(
-                By.CSS_SELECTOR, f'#transcript li[data-turn="{turn["index"]}"] [data-call="{call["id"]}"]'
-            )
-            assert node.find_element(By.CSS_SELECTOR, ".call-name").text == call["name"]
-            assert node.find_element(By.CSS_SELECTOR, ".call-result").text == call["result"].strip()
+            node = f'#transcript li[data-turn="{turn["index"]}"] [data-call="{call["id"]}"]'
+            assert text_at(f"{node} .call-name") == call["name"]
+            assert text_at(f"{node} .call-result") == call["result"].strip()
             assert call["ok"] is True
             if call["router"]:
-                assert node.find_element(By.CSS_SELECTOR, ".call-routed").text == call["routed_to"]
+                assert text_at(f"{node} .call-routed") == call["routed_to"]
                 assert call["arguments"] == {"task": turn["query"]}
                 routed.append(call["routed_to"])
     assert routed == ["city_weather", "stock_price"]  # both outside the core view, reached through the router

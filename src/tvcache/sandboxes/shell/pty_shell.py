@@ -668,9 +668,11 @@ class PtyShell:
             )
         except ShellReplaced as replaced:
             yield math.inf
-            collected.absorb(step, _without_prefix(bytes(step.kept), at_once))
             ended = not os.path.exists(f"/proc/{self.pid}/exe") or not self.alive  # it exited, not exec'd
-            self._drain_ended(collected)
+            # What it printed last may still be on its way (its memory went first): with the rest of the step,
+            # so that the PS2 of a one-line command typed at once is told apart from it.
+            self._drain_ended(step)
+            collected.absorb(step, _without_prefix(bytes(step.kept), at_once))
             self.kill()
             self.close()
             return self._result(collected, None, background=True, died=True, replaced=None if ended else str(replaced))
