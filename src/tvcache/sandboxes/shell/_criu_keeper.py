@@ -166,11 +166,9 @@ def _keep_kernel_data(kept: str, seeded: bytes | None) -> None:
         pass  # the next restore probes again
 
 
-def _run_criu(
-    channel: socket.socket, argv: list[str], keep: list[int], group: TreeCgroup | None, path: str
-) -> int | None:
-    """Run CRIU with only ``keep`` (and stdio) open, in ``group``, with ``path`` as its PATH; its exit code, or
-    None when the channel closed first."""
+def _run_criu(channel: socket.socket, argv: list[str], keep: list[int], group: TreeCgroup | None) -> int | None:
+    """Run CRIU with only ``keep`` (and stdio) open, in ``group``; its exit code, or None when the channel closed
+    first."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child execs at once
         try:
@@ -178,7 +176,7 @@ def _run_criu(
                 group.enter()  # CRIU, and so every process it restores, runs in the tree's cgroup
             for fd in keep:
                 os.set_inheritable(fd, True)
-            os.execve(argv[0], argv, {"PATH": path})
+            os.execv(argv[0], argv)
         finally:
             os._exit(127)
     pidfd = os.pidfd_open(pid)
@@ -268,9 +266,7 @@ def serve(channel_fd: int) -> NoReturn:
     (CRIU's keys of the descriptors that come with the request, in order), ``mount`` (whether the sandbox's
     tree, a detached mount, comes after them), ``tree_key``, ``root`` and ``cgroups`` (or null), ``network``
     ("new loopback": the tree gets the keeper's new network namespace, "loopback": it joins it; see ``criu``),
-    ``last_pid``
-    (or null: see ``_set_last_pid``), ``kernel_data`` (or null: see ``_kernel_data_on_tmpfs``) and ``path`` (CRIU's
-    PATH)."""
+    ``last_pid`` (or null: see ``_set_last_pid``) and ``kernel_data`` (or null: see ``_kernel_data_on_tmpfs``)."""
     channel = socket.socket(fileno=channel_fd)
     os.set_inheritable(channel_fd, False)
     # The network namespace of a tree that cannot configure its own (``network``), made while the keeper waits:
@@ -311,7 +307,7 @@ def serve(channel_fd: int) -> NoReturn:
             argv += ["--external", f"mnt[{spec['tree_key']}]:{attached}"]
         kept = spec.get("kernel_data")
         seeded = _kernel_data_on_tmpfs(kept) if kept is not None else None
-        code = _run_criu(channel, argv, inherit, group, spec.get("path") or os.environ.get("PATH", ""))
+        code = _run_criu(channel, argv, inherit, group)
         if kept is not None and code == 0:
             _keep_kernel_data(kept, seeded)
         for fd in inherit:

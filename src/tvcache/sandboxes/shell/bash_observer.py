@@ -281,18 +281,10 @@ class BashObserver:
         ps0, ps1, ps2, name = self._prompt_pointers.read(self._read)
         return self._string(ps0), self._string(ps1), self._string(ps2), self._string(name)
 
-    def last_job(self) -> int:
-        """``$!``: the PID (in the shell's namespace) of the last job it started in the background."""
-        return self.jobs()[0]
-
-    def job_table(self) -> tuple[int, int]:
-        """How many jobs bash's table holds, and how many of them ended (``js.j_njobs``, ``js.j_ndead`` of bash
-        5's ``struct jobstats``): a background job that ends changes them, and bash notes it on the terminal."""
-        _, jobs, dead = self.jobs()
-        return jobs, dead
-
     def jobs(self) -> tuple[int, int, int]:
-        """``last_job`` and ``job_table`` in one read."""
+        """``$!`` (the PID, in the shell's namespace, of the last job it started in the background), then how many
+        jobs bash's table holds and how many of them ended (``js.j_njobs``, ``js.j_ndead`` of bash 5's ``struct
+        jobstats``): a background job that ends changes them, and bash notes it on the terminal."""
         last, jobs, dead = self._jobs.read(self._read, signed=True)
         return last, jobs, dead
 

@@ -119,12 +119,6 @@ _WITH_KERNEL_DATA = (
     "-c",
     'mount -t tmpfs -o mode=755,nosuid,nodev,noexec tmpfs /run 2>/dev/null && cat "$0" >/run/criu.kdat; exec "$@"',
 )
-# A restore into a network namespace CRIU does not restore (``network`` "loopback": the dump left it out) has no
-# iptables rules to restore, yet CRIU first asks the iptables binaries which backend they use (four runs of them,
-# ~13 ms here); with none on its PATH the questions fail at once. tar and gzip (the tmpfs images) are in /usr/bin.
-# (A "new loopback" restore asks nothing: its namespace is external.)
-_FIREWALL_TOOLS = ("iptables-restore", "ip6tables-restore", "iptables-legacy-restore", "ip6tables-legacy-restore")
-_WITHOUT_FIREWALL_TOOLS = "/usr/bin:/bin"
 _UMASK = 0o077  # what CRIU writes (images, logs, the restore's scratch) is its user's alone
 
 
@@ -316,7 +310,6 @@ class Criu:
             "cgroups": cgroups,
             "kernel_data": kernel_data_path(self.version),
             "network": meta.get("network"),
-            "path": _restore_path(meta.get("network")),
         }
         began = time.perf_counter()
         keeper, mine = keepers.take() if keepers is not None else _start_keeper()
@@ -623,18 +616,6 @@ def _foreign_mounts(pid: int, tree_mountpoint: str | None) -> list[str]:
     return found
 
 
-@functools.cache
-def _restore_path(network: object) -> str:
-    """The PATH a restore's CRIU runs with (see ``_WITHOUT_FIREWALL_TOOLS``)."""
-    if network not in ("loopback", NEW_LOOPBACK):
-        return CRIU_PATH
-    if any(shutil.which(tool, path=_WITHOUT_FIREWALL_TOOLS) for tool in _FIREWALL_TOOLS):
-        return CRIU_PATH  # a system that keeps them in /usr/bin
-    if not all(shutil.which(tool, path=_WITHOUT_FIREWALL_TOOLS) for tool in ("tar", "gzip")):
-        return CRIU_PATH
-    return _WITHOUT_FIREWALL_TOOLS
-
-
 def _run(argv: list[str], timeout: float) -> tuple[int, str]:
     """Run CRIU in its own session with no descriptor of ours; killed on timeout or interrupt. It ends with its
     whole process group (``_end_group``): a CRIU killed halfway (by our timeout, or by anyone) leaves the helpers
@@ -656,13 +637,13 @@ def _run(argv: list[str], timeout: float) -> tuple[int, str]:
         try:
             if not select.select([ended], [], [], timeout)[0]:
                 timed_out = True
-                _stop_group(process.pid, ended)
+                _end_group(process.pid, ended, STOPPING)
         except BaseException:
-            _stop_group(process.pid, ended)
+            _end_group(process.pid, ended, STOPPING)
             raise
         finally:
             # Until it is reaped, the ended leader keeps its group's id: what is left in the group is CRIU's.
-            _end_group(process.pid)
+            _end_group(process.pid, ended, ENDING)
             process.wait()
             os.close(ended)
         if timed_out:
@@ -671,17 +652,24 @@ def _run(argv: list[str], timeout: float) -> tuple[int, str]:
         return process.returncode, output.read().decode(errors="replace")
 
 
-def _end_group(leader: int) -> None:
-    """What is left of CRIU's process group once CRIU itself ended: helpers it forked, which end on their own a
-    moment later, or, orphaned by a CRIU that was killed, wait for it forever. They get ``STOP_SECONDS``, then
-    SIGTERM and as long again, then SIGKILL: a helper killed at once, while it still tidies up, can take the
-    dumped tree down with it."""
-    for signum in (None, signal.SIGTERM, signal.SIGKILL):
+# How CRIU's process group is ended: stopped (a timeout, an interrupt), SIGTERM first, as CRIU then takes its
+# parasite code out of the tree and lets it go on, whereas a SIGKILL while the parasite runs takes the tree down;
+# after CRIU ended, what it left (helpers it forked, which end on their own a moment later, or, orphaned by a
+# CRIU that was killed, wait for it forever) gets time first: a helper killed at once, while it still tidies up,
+# can take the dumped tree down too. Each step waits up to STOP_SECONDS for the group to be gone.
+STOPPING = (signal.SIGTERM, signal.SIGKILL)
+ENDING = (None, signal.SIGTERM, signal.SIGKILL)
+
+
+def _end_group(leader: int, ended: int, signals: tuple[signal.Signals | None, ...]) -> None:
+    """Send ``signals`` (None: none) in turn to CRIU's process group, led by ``leader`` (its pidfd ``ended``),
+    until the leader has ended and nothing else is left in the group."""
+    for signum in signals:
         if signum is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(leader, signum)
         deadline = time.monotonic() + STOP_SECONDS
-        while _group_members(leader):
+        while not select.select([ended], [], [], 0)[0] or _group_members(leader):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.005)
@@ -702,16 +690,6 @@ def _group_members(group: int) -> list[int]:
             if len(fields) > 2 and int(fields[2]) == group:
                 members.append(int(entry))
     return members
-
-
-def _stop_group(leader: int, ended: int) -> None:
-    """SIGTERM first: CRIU then takes its parasite code out of the tree and lets it go on, whereas a SIGKILL
-    while the parasite runs takes the tree down with it. SIGKILL if it has not ended ``STOP_SECONDS`` later."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(leader, signal.SIGTERM)
-    if not select.select([ended], [], [], STOP_SECONDS)[0]:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(leader, signal.SIGKILL)
 
 
 def _how(code: int, timeout: float) -> str:

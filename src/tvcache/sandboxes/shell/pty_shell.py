@@ -659,8 +659,8 @@ class PtyShell:
             self._idle = state
             self.lineno, self.status, self.last_command = state.lineno, state.status, command
             after = self._others_after = self._others()
-            last_job_after, *table_after = self.observer.jobs()
-            jobs_after = self._jobs_after = (table_after[0], table_after[1])
+            last_job_after, held, ended = self.observer.jobs()
+            jobs_after = self._jobs_after = (held, ended)
             # A job of the shell ended during the call (more ended, or fewer left), or one it started ended already.
             job_moved = jobs_after[1] != jobs[1] or jobs_after[0] < jobs[0] or self._job_ended(last_job, last_job_after)
             return self._result(

@@ -302,7 +302,7 @@ class Confiner:
         os.symlink("/proc/self/fd/2", "/dev/stderr")
 
     def private_tmpfs(self) -> None:
-        """Fresh tmpfs dirs (``shared_tmpfs``), then the visible host paths under them, read-only where they were;
+        """Fresh tmpfs dirs (``PrivateTmpfs``), then the visible host paths under them, read-only where they were;
         and the mount point of the tree (the base may sit under a private tmpfs)."""
         private_tmpfs, self._private_tmpfs = self._private_tmpfs, None
         assert private_tmpfs is not None, "minimal_dev comes first"
@@ -373,10 +373,9 @@ class PrivateTmpfs:
         self._paths = paths
         self._root = linux.mount_tmpfs_detached(mode="0755", size=size, attributes=linux.NOSUID_NODEV)
         try:
-            os.mkdir("dev", 0o755, dir_fd=self._root)
-            for index in range(len(paths)):
-                os.mkdir(str(index), dir_fd=self._root)
-                os.chmod(str(index), 0o1777, dir_fd=self._root)  # mkdir's mode goes through the umask
+            for name, mode in [("dev", 0o755)] + [(str(index), 0o1777) for index in range(len(paths))]:
+                os.mkdir(name, dir_fd=self._root)
+                os.chmod(name, mode, dir_fd=self._root)  # mkdir's mode goes through the umask
             linux.move_mount(self._root, "/dev")
             self._attach("dev", "/dev")
         except BaseException:
