@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from pathlib import Path
 
 import pytest
 
 from tvcache import AlwaysSnapshot, Cache
-from tvcache.sandboxes import FolderSandbox, ShellSandbox, WarmPool
+from tvcache.protocol import close_factory
+from tvcache.sandboxes import FolderSandbox, ShellSandbox, SQLiteSandbox, WarmPool
 from tvcache.sandboxes.shell.linux import overlay_supported
 
 
@@ -77,3 +79,18 @@ def test_closing_the_pool_stops_what_it_prepared(tmp_path: Path) -> None:
 def test_invalid_sizes_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=">= 0"):
         WarmPool(make_factory(tmp_path), roots=-1)
+
+
+def test_a_pool_closed_from_outside_the_loop_stops_what_it_prepared(tmp_path: Path) -> None:
+    # A workload's close runs after the event loop: close_factory runs the pool's coroutine to its end there,
+    # where a plain ``factory.close()`` would drop it un-awaited and leave the sandboxes running.
+    inner = make_factory(tmp_path)
+    pool = WarmPool(inner, roots=2)
+    asyncio.run(pool.prepare())
+    close_factory(pool)
+    database = tmp_path / "db.sqlite"
+    sqlite3.connect(database).close()
+    close_factory(SQLiteSandbox.factory(database))  # a factory without close: nothing to do
+    assert pool.stats.wasted == 2
+    if overlay_supported():
+        assert inner.store.live_layers() == []  # type: ignore[union-attr]

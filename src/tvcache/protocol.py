@@ -7,7 +7,9 @@ it only decides when to start, fork, snapshot, replay and stop. Backends live in
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import os
 import shutil
 import sys
@@ -24,6 +26,7 @@ __all__ = [
     "SandboxFactory",
     "SandboxWrapper",
     "Snapshot",
+    "close_factory",
     "discard_snapshot_files",
     "snapshot_inside",
 ]
@@ -159,6 +162,23 @@ class SandboxFactory(Protocol):
         by path; it may release what it can verify in storage of its own (a published snapshot's references in
         its store). Without it such a record is forgotten (``Cache._release_foreign``)."""
         ...
+
+
+def close_factory(factory: object) -> None:
+    """Close ``factory`` whatever its ``close`` is: absent (SQLite, published snapshots), a method (shell, Docker,
+    folder), or a coroutine (``WarmPool``), which runs to its end here. For code outside an event loop (a
+    workload's ``close``); inside one, await the factory's own ``close()``: a coroutine dropped un-awaited would
+    leave its sandboxes running."""
+    close = getattr(factory, "close", None)
+    if close is None:
+        return
+    result = close()
+    if inspect.isawaitable(result):
+        asyncio.run(_awaited(result))
+
+
+async def _awaited(result: Any) -> None:
+    await result
 
 
 class SandboxWrapper:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import TVCacheError
-from ..protocol import SandboxFactory
+from ..protocol import SandboxFactory, close_factory
 from ..sandboxes.docker import DockerSandbox, docker_available
 from ..sandboxes.image import inspect_image
 from .base import Action, Task, Workload
@@ -152,7 +152,7 @@ def dockerfile_workload(
 
     def close() -> None:
         for task in tasks:
-            getattr(task.factory, "close", lambda: None)()
+            close_factory(task.factory)
 
     try:
         for name, image in build_images(engine=engine, base=base).items():

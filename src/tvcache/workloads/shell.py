@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+from ..protocol import close_factory
 from ..sandboxes import ShellSandbox
 from .base import Action, Task, Workload
 
@@ -124,7 +125,7 @@ def shell_workload(data_dir: Path) -> Workload:
 
     def close() -> None:
         for task in tasks:
-            getattr(task.factory, "close", lambda: None)()
+            close_factory(task.factory)
 
     return Workload(
         name="shell",

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import SandboxError
+from ..protocol import close_factory
 from ..sandboxes import ShellSandbox
 from ..sandboxes.shell.process import FIXED_PATH, fixed_environment
 from .base import Action, Task, Workload
@@ -236,7 +237,7 @@ def terminal_workload(data_dir: Path) -> Workload:
         routes: Counter[str] = Counter()
         for task in tasks:
             routes.update(getattr(task.factory, "route_counts", dict)())
-            getattr(task.factory, "close", lambda: None)()
+            close_factory(task.factory)
         if routes:
             counted = ", ".join(f"{route} {count}" for route, count in sorted(routes.items()))
             notes.append(f"one persistent shell per rollout; snapshots of live shells by route: {counted}")
