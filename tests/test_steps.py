@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tvcache.sandboxes.shell.process import Steps, drive, run_briefly_then_in_worker
+from tvcache.sandboxes.threads import Steps, drive, run_briefly_then_in_worker
 
 
 def waits(pauses: list[float], abandon: threading.Event, seen: list[tuple[float, int]]) -> Steps[str]:

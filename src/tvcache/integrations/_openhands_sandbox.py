@@ -42,7 +42,7 @@ from typing import Any
 from ..calls import ToolCall, ToolSpec
 from ..errors import InvalidToolCall, SandboxError, SnapshotDeclined, UnknownTool
 from ..protocol import Outcome, Sandbox, Snapshot
-from ..sandboxes.shell.process import FIXED_PATH
+from ..sandboxes.commands import FIXED_PATH
 from ..sandboxes.shell.sandbox import ShellSandboxFactory
 from ._over_shells import OverPersistentShells
 

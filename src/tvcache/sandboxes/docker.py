@@ -43,6 +43,7 @@ from types import MappingProxyType
 from ..calls import ToolSpec
 from ..errors import SandboxError
 from ..protocol import Snapshot
+from .commands import PERSISTENT_SH_TOOL, SH_TOOL
 from .docker_container import ContainerSandbox
 from .docker_engine import (
     KIND,
@@ -60,7 +61,6 @@ from .docker_engine import (
     run_cli_async,
 )
 from .docker_shell import DockerShell, PersistentDockerSandbox, shell_environment
-from .folder import SH_TOOL
 from .shell.limits import DEFAULT_LIMITS, SandboxLimits
 
 # The engine layer's names that users of this module import from here stay importable from here.
@@ -183,7 +183,8 @@ class DockerSandboxFactory:
         self._slots = _Slots(max_containers)
         self._owned = _Owned(self.commands)
         self._release = weakref.finalize(self, self._owned.release)
-        self._tools: Mapping[str, ToolSpec] = MappingProxyType({SH_TOOL.name: SH_TOOL})
+        sh = PERSISTENT_SH_TOOL if persistent else SH_TOOL
+        self._tools: Mapping[str, ToolSpec] = MappingProxyType({sh.name: sh})
         self.cost_hints: dict[str, float] = {"start": 0.5, "fork": 0.5, "snapshot": 1.0}
 
     @property

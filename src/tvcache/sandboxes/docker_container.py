@@ -27,11 +27,11 @@ from typing import Protocol
 from ..calls import ToolCall, ToolSpec
 from ..errors import SandboxError, SnapshotDeclined
 from ..protocol import Outcome, Snapshot
+from .commands import ShellResult, command_timeout, render_shell, validated
 from .docker_cgroups import ContainerCounters, container_counters
 from .docker_engine import SNAPSHOT_REPOSITORY, DockerCommands, engine_down, no_bash, run_cli_async, run_merged
 from .shell.cgroups import MEMORY
 from .shell.limits import SandboxLimits
-from .shell.process import ShellResult, command_timeout, render_shell, validated
 
 __all__ = ["ContainerHost", "ContainerSandbox"]
 

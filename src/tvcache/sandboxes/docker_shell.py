@@ -49,10 +49,10 @@ from typing import TYPE_CHECKING
 from ..calls import ToolCall
 from ..errors import SandboxError, SnapshotDeclined
 from ..protocol import Outcome, Snapshot
+from .commands import render_shell
 from .docker_container import ContainerHost, ContainerSandbox
 from .docker_engine import PERSISTENT_KIND, no_bash, run_cli_async
 from .shell.cgroups import MEMORY
-from .shell.process import render_shell, run_in_worker
 from .shell.pty_shell import (
     BOOT_HEAD,
     BOOT_LINE,
@@ -68,6 +68,7 @@ from .shell.pty_shell import (
     boot_escapes,
 )
 from .shell.session import NEW_SHELL_NOTE, PersistentShellCalls, persistent_command
+from .threads import run_in_worker
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -37,36 +37,24 @@ from typing import Any
 from ..calls import ToolCall, ToolSpec
 from ..errors import SandboxError
 from ..protocol import Outcome, Snapshot, remove_tree
-from .shell.layers import tree_bytes
-from .shell.process import (
+from .commands import (
     FIXED_PATH,
+    SH_TOOL,
     command_timeout,
-    finish_in_thread,
     fixed_environment,
     kill_group,
     render_shell,
     run_cancellable,
     validated,
 )
+from .shell.layers import tree_bytes
+from .threads import finish_in_thread
 
 __all__ = ["SH_TOOL", "FolderSandbox", "FolderSandboxFactory", "FolderTool", "digest_folder"]
 
 KIND = "folder"
 DIGEST_BYTES = 16
 _CHUNK = 1 << 16
-
-SH_TOOL = ToolSpec(
-    name="sh",
-    arguments={"cmd": str},
-    optional_arguments={"timeout": (int, float)},
-    read_only=False,
-    deterministic=True,
-    description=(
-        "Run a bash command in the working folder and return its combined stdout and stderr. Each call is a "
-        "fresh process: shell state and background processes do not survive the call. Optional 'timeout' in "
-        "seconds (capped by the sandbox limit)."
-    ),
-)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

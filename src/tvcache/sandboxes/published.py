@@ -44,8 +44,8 @@ from ..snapshots.publication import LAYERS, PUBLISHED, LayerRef, Publication, de
 from ..snapshots.stores import BlobStore, blob_digest, fetch_verified, new_publication_id
 from .shell.layer_archive import LayerCache, pack_layer, require_gnu_tar
 from .shell.layers import Layer
-from .shell.process import finish_in_thread
 from .shell.sandbox import ShellSandboxFactory
+from .threads import finish_in_thread
 
 __all__ = ["PublishedSnapshots"]
 

@@ -32,7 +32,7 @@ from types import MappingProxyType
 from ..calls import ToolCall, ToolSpec
 from ..errors import SandboxError, UnknownTool
 from ..protocol import Outcome, Snapshot, discard_snapshot_files
-from .shell.process import finish_in_thread
+from .threads import finish_in_thread
 
 __all__ = ["SQL_TOOL", "SQLiteSandbox", "SQLiteSandboxFactory"]
 

@@ -38,7 +38,7 @@ from ..errors import SandboxError
 __all__ = ["FIXED_PATH", "pack_tree", "require_gnu_tar", "unpack_tree"]
 
 FIXED_PATH = "/usr/local/bin:/usr/bin:/bin"
-"""Where GNU tar is looked for: the sandboxes' fixed ``PATH`` (``tvcache.sandboxes.shell.process``), repeated here so
+"""Where GNU tar is looked for: the sandboxes' fixed ``PATH`` (``tvcache.sandboxes.commands``), repeated here so
 the core does not import the sandboxes."""
 _ENVIRONMENT = {"PATH": FIXED_PATH, "LC_ALL": "C"}  # byte order for --sort=name, untranslated errors
 _PAX_OPTIONS = "--pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime"

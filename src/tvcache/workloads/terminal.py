@@ -26,7 +26,7 @@ from pathlib import Path
 from ..errors import SandboxError
 from ..protocol import close_factory
 from ..sandboxes import ShellSandbox
-from ..sandboxes.shell.process import FIXED_PATH, fixed_environment
+from ..sandboxes.commands import FIXED_PATH, fixed_environment
 from .base import Action, Task, Workload
 
 __all__ = ["TASKS", "terminal_workload"]

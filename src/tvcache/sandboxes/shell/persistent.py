@@ -51,9 +51,11 @@ from typing import Any
 from ...calls import ToolCall
 from ...errors import SandboxError, SnapshotDeclined
 from ...protocol import Outcome, Snapshot
+from ..commands import render_shell
+from ..threads import Steps, finish_in_thread, run_briefly_then_in_worker
 from .cgroups import HitReader
 from .layers import Layer
-from .process import Steps, describe_hit, finish_in_thread, render_shell, run_briefly_then_in_worker
+from .process import describe_hit
 from .pty_shell import PtyResult, PtyShell
 from .routes import PERSISTENT_KIND, ROUTES, discard_process_state
 from .sandbox import ShellSandbox, ShellSandboxFactory, _hard_linked, register_persistent_sandbox

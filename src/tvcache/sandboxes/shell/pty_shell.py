@@ -69,9 +69,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import SandboxError
+from ..commands import ShellResult
+from ..threads import Steps, blocking, drive
 from .bash_observer import BashObserver, Idle, ShellGone, ShellReplaced, UnknownBash
 from .capture import CAPTURE_PROTOCOL, CaptureRefused, prepare_capture, take_capture
-from .process import ShellResult, Steps, blocking, drive
 from .zygote import Spawned, Zygote
 
 __all__ = [

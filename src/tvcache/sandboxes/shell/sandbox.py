@@ -50,23 +50,24 @@ from ...calls import ToolCall, ToolSpec
 from ...children import run as run_tied
 from ...errors import SandboxError, SnapshotDeclined, SnapshotUnusable
 from ...protocol import Outcome, Snapshot
-from ..folder import SH_TOOL, FolderSandbox, FolderSandboxFactory
+from ..commands import (
+    FIXED_PATH,
+    PERSISTENT_SH_TOOL,
+    SH_TOOL,
+    ShellResult,
+    command_timeout,
+    fixed_environment,
+    render_shell,
+    validated,
+)
+from ..folder import FolderSandbox, FolderSandboxFactory
+from ..threads import finish_in_thread, run_in_worker
 from . import linux
 from .criu import Keepers
 from .host_view import HostView, build_confinement, describe
 from .layers import Layer, LayerStore, upper_digest
 from .limits import DEFAULT_LIMITS, SandboxLimits, cgroup_spec
-from .process import (
-    FIXED_PATH,
-    ShellResult,
-    command_timeout,
-    finish_in_thread,
-    fixed_environment,
-    render_shell,
-    run_confined,
-    run_in_worker,
-    validated,
-)
+from .process import run_confined
 from .pty_shell import PtyShell
 from .routes import PERSISTENT_KIND, ROUTES, discard_process_state
 from .warm import WarmShells
@@ -170,7 +171,8 @@ class ShellSandboxFactory:
             self.confinement = replace(self.confinement, tmpfs_size=str(limits.tmpfs_bytes))
         # Started with the first sandbox; ends with close() or the process.
         self.zygote = Zygote(self.confinement, cgroups=self.cgroups)
-        self._tools: Mapping[str, ToolSpec] = MappingProxyType({SH_TOOL.name: SH_TOOL})
+        sh = PERSISTENT_SH_TOOL if persistent else SH_TOOL
+        self._tools: Mapping[str, ToolSpec] = MappingProxyType({sh.name: sh})
         self.cost_hints: dict[str, float] = {"start": 0.001, "fork": 0.001, "snapshot": 0.001}
 
     @property

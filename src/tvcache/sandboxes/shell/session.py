@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from ...calls import ToolCall, ToolSpec
 from ...errors import InvalidToolCall
 from ...protocol import Outcome
-from .process import Steps, command_timeout, drive, render_shell, validated
+from ..commands import command_timeout, render_shell, validated
+from ..threads import Steps, drive
 from .pty_shell import PtyResult, PtyShell
 
 __all__ = ["NEW_SHELL_NOTE", "PersistentShellCalls", "persistent_command"]
