@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from .calls import ToolCall, ToolSpec
+from .errors import SandboxError
 
 __all__ = [
     "Outcome",
@@ -28,6 +29,7 @@ __all__ = [
     "Snapshot",
     "close_factory",
     "discard_snapshot_files",
+    "require_new_destination",
     "snapshot_inside",
 ]
 
@@ -79,6 +81,16 @@ def snapshot_inside(snapshot: Snapshot, root: str | os.PathLike[str]) -> Path | 
     if resolved == resolved_root or resolved_root not in resolved.parents:
         return None
     return resolved
+
+
+def require_new_destination(dest: str | os.PathLike[str]) -> Path:
+    """``dest`` as a Path, for a snapshot about to be written there; SandboxError if anything is there already,
+    a dangling symbolic link included (writing through it would land wherever it points). Every backend's
+    ``snapshot`` starts with it, and ``tvcache.testing.check_sandbox`` holds them to it."""
+    path = Path(dest)
+    if path.exists() or path.is_symlink():
+        raise SandboxError(f"snapshot destination {path} already exists; pass a path that does not exist")
+    return path
 
 
 def discard_snapshot_files(snapshot: Snapshot, *, root: str | os.PathLike[str] | None = None) -> bool:

@@ -251,6 +251,12 @@ async def _snapshot_destination(run: _Run) -> None:
     await run.raises(
         SandboxError, "already exists", sandbox.snapshot(run.scratch / "taken"), "snapshot() into an existing path"
     )
+    # A dangling link is a destination too: a snapshot written through it would land wherever it points.
+    (run.scratch / "link").symlink_to(run.scratch / "elsewhere")
+    await run.raises(
+        SandboxError, "already exists", sandbox.snapshot(run.scratch / "link"), "snapshot() into a dangling link"
+    )
+    run.expect(not (run.scratch / "elsewhere").exists(), "a snapshot was written through a dangling link")
     await sandbox.stop()
 
 
@@ -276,7 +282,9 @@ CHECKS: Mapping[str, Check] = {
         Check(name="stop", property="stop is idempotent and a stopped sandbox refuses work", body=_stop),
         Check(name="discard", property="discard removes the snapshot and forking it then fails", body=_discard),
         Check(
-            name="snapshot-destination", property="snapshot refuses an existing destination", body=_snapshot_destination
+            name="snapshot-destination",
+            property="snapshot refuses an existing destination, a dangling link too",
+            body=_snapshot_destination,
         ),  # fmt: skip
         Check(name="bad-input", property="tool failures are outcomes and bad calls raise", body=_bad_input),
     )

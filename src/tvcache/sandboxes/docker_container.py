@@ -26,7 +26,7 @@ from typing import Protocol
 
 from ..calls import ToolCall, ToolSpec
 from ..errors import SandboxError, SnapshotDeclined
-from ..protocol import Outcome, Snapshot
+from ..protocol import Outcome, Snapshot, require_new_destination
 from .commands import ShellResult, command_timeout, render_shell, validated
 from .docker_cgroups import ContainerCounters, container_counters
 from .docker_engine import SNAPSHOT_REPOSITORY, DockerCommands, engine_down, no_bash, run_cli_async, run_merged
@@ -231,9 +231,7 @@ class ContainerSandbox:
     async def snapshot(self, dest: Path) -> Snapshot:
         factory, commands = self._factory, self._factory.commands
         image = f"{SNAPSHOT_REPOSITORY}:{uuid.uuid4().hex[:16]}"
-        dest = Path(dest)
-        if dest.exists() or dest.is_symlink():
-            raise SandboxError(f"{self._where('snapshot')}: destination {dest} already exists")
+        dest = require_new_destination(dest)
         async with self._lock:
             await self._require_within_limits("snapshot", SnapshotDeclined)
             self._require_usable("snapshot")

@@ -36,7 +36,7 @@ from typing import Any
 
 from ..calls import ToolCall, ToolSpec
 from ..errors import SandboxError
-from ..protocol import Outcome, Snapshot, remove_tree
+from ..protocol import Outcome, Snapshot, remove_tree, require_new_destination
 from .commands import (
     FIXED_PATH,
     SH_TOOL,
@@ -400,8 +400,7 @@ class FolderSandbox:
             folder = self._require_open()
 
             def copy() -> int:
-                if dest.exists() or dest.is_symlink():
-                    raise SandboxError(f"snapshot destination {dest} already exists; pass a path that does not exist")
+                require_new_destination(dest)
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 partial = dest.with_name(dest.name + ".partial")
                 _remove_tree(partial)

@@ -31,7 +31,7 @@ from types import MappingProxyType
 
 from ..calls import ToolCall, ToolSpec
 from ..errors import SandboxError, UnknownTool
-from ..protocol import Outcome, Snapshot, discard_snapshot_files
+from ..protocol import Outcome, Snapshot, discard_snapshot_files, require_new_destination
 from .threads import finish_in_thread
 
 __all__ = ["SQL_TOOL", "SQLiteSandbox", "SQLiteSandboxFactory"]
@@ -287,8 +287,7 @@ class _Abandoned(Exception):
 def _backup_to_file(connection: sqlite3.Connection, dest: Path, abandon: threading.Event | None = None) -> int:
     """Write the database to ``dest``, in steps of ``_BACKUP_PAGES``; stops (leaving no file) once ``abandon``
     is set."""
-    if dest.exists():
-        raise SandboxError(f"snapshot destination {dest} already exists; pass a path that does not exist yet")
+    require_new_destination(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(dest.name + ".partial")
     partial.unlink(missing_ok=True)

@@ -50,7 +50,7 @@ from typing import Any
 
 from ...calls import ToolCall
 from ...errors import SandboxError, SnapshotDeclined
-from ...protocol import Outcome, Snapshot
+from ...protocol import Outcome, Snapshot, require_new_destination
 from ..commands import render_shell
 from ..threads import Steps, finish_in_thread, run_briefly_then_in_worker
 from .cgroups import HitReader
@@ -208,8 +208,7 @@ class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
             self._require_open()
             self._note_limit_hit()
             self._require_within_limits(SnapshotDeclined)
-            if dest.exists():
-                raise SandboxError(f"snapshot destination {dest} already exists; pass a path that does not exist")
+            require_new_destination(dest)
             # Cancelled (once or again), the snapshot still ends before the lock goes, and a process image it made
             # for a snapshot no one will record is deleted.
             route, image, stack, new_bytes = await finish_in_thread(

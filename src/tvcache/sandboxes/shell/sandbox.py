@@ -49,7 +49,7 @@ from typing import Any
 from ...calls import ToolCall, ToolSpec
 from ...children import run as run_tied
 from ...errors import SandboxError, SnapshotDeclined, SnapshotUnusable
-from ...protocol import Outcome, Snapshot
+from ...protocol import Outcome, Snapshot, require_new_destination
 from ..commands import (
     FIXED_PATH,
     PERSISTENT_SH_TOOL,
@@ -474,8 +474,7 @@ class ShellSandbox:
         async with self._lock:
             self._require_open()
             self._require_within_limits(SnapshotDeclined)
-            if dest.exists():
-                raise SandboxError(f"snapshot destination {dest} already exists; pass a path that does not exist")
+            require_new_destination(dest)
             # A cancelled caller keeps the lock until the freeze's thread is done. A freeze that completed anyway
             # needs no undo: its layer is the sandbox's own (it goes on above it), and the snapshot's references
             # and file, taken below, are never taken.
