@@ -58,7 +58,7 @@ from .layers import Layer
 from .process import describe_hit
 from .pty_shell import PtyResult, PtyShell
 from .routes import PERSISTENT_KIND, ROUTES, discard_process_state
-from .sandbox import ShellSandbox, ShellSandboxFactory, _hard_linked, register_persistent_sandbox
+from .sandbox import ShellSandbox, ShellSandboxFactory, register_persistent_sandbox
 from .session import NEW_SHELL_NOTE, PersistentShellCalls, persistent_command
 from .shell_state import (
     ShellLaunch,
@@ -236,7 +236,7 @@ class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
             if shell is None or not shell.alive:
                 untrusted = untrusted or "its shell ended"
             assert shell is not None or untrusted is not None
-            self._check_freezable()
+            self._refuse_hard_links()
             strategy, image = choose_route(shell, untrusted, factory.snapshot_routes, place)  # type: ignore[arg-type]
             image["route"] = strategy.route.value
         except SnapshotDeclined:
@@ -328,14 +328,6 @@ class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
             self._replaced(f"its shell could not be restored after a declined snapshot ({error})")
         finally:
             strategy.discard(image)
-
-    def _check_freezable(self) -> None:
-        linked = _hard_linked(self._upper)
-        if linked is not None:
-            raise SnapshotDeclined(
-                f"{linked} has hard links made in this sandbox, which overlayfs would split in a fork; "
-                "not snapshotting this state"
-            )
 
     async def state_digest(self) -> str:
         """The files' digest and the shell's captured state (its line count included): equal for a sandbox and

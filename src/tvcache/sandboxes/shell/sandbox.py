@@ -493,14 +493,7 @@ class ShellSandbox:
             changed = any(True for _ in entries)
         if not changed and self._stack:
             return list(self._stack), 0
-        linked = _hard_linked(self._upper)
-        if linked is not None:
-            # overlayfs copies a lower file up on its first change, which splits it from its other names; in this
-            # live sandbox the names share one upper inode. A fork would let them diverge where this does not.
-            raise SnapshotDeclined(
-                f"{linked} has hard links made in this sandbox, which overlayfs would split in a fork; "
-                "not snapshotting this state"
-            )
+        self._refuse_hard_links()
         self._unmount()
         layer = self._store.freeze(self._upper)
         self._store.acquire([layer])
@@ -515,6 +508,17 @@ class ShellSandbox:
         self._mount()
         self._last_digest = None
         return list(self._stack), layer.bytes
+
+    def _refuse_hard_links(self) -> None:
+        """SnapshotDeclined when the upper holds hard links. overlayfs copies a lower file up on its first change,
+        which splits it from its other names; in this live sandbox the names share one upper inode. A fork would
+        let them diverge where this does not."""
+        linked = _hard_linked(self._upper)
+        if linked is not None:
+            raise SnapshotDeclined(
+                f"{linked} has hard links made in this sandbox, which overlayfs would split in a fork; "
+                "not snapshotting this state"
+            )
 
     def _squash(self) -> None:
         """Replace the whole stack (and the base) by one layer holding the merged tree: a full copy, paid
