@@ -172,7 +172,7 @@ class SandboxFactory(Protocol):
         A factory may also define ``discard_foreign(snapshot)``: called for an evicted record it did not make
         (another process's, handed back by a server any client writes to). It must free nothing the record names
         by path; it may release what it can verify in storage of its own (a published snapshot's references in
-        its store). Without it such a record is forgotten (``Cache._release_foreign``)."""
+        its store). Without it such a record is forgotten (``store.owners.SnapshotOwners._release_foreign``)."""
         ...
 
 

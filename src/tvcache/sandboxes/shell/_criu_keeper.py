@@ -4,7 +4,7 @@ of the tree it restores, for as long as the tree lives (see ``criu`` for the why
 It runs in a fresh ``python -I -S`` interpreter (booted like the zygote, so it loads only light modules),
 which may be started before the restore it serves (``criu.Keepers``): it waits for its request on its channel,
 then speaks the zygote's reply protocol there, so the main process holds the tree through a plain
-``_zygote.Spawned``: ``{"pid": N}`` with the tree root's pidfd, then ``{"exited": code}``; or ``{"error": text}``
+``zygote.Spawned``: ``{"pid": N}`` with the tree root's pidfd, then ``{"exited": code}``; or ``{"error": text}``
 alone when the restore fails (the text carries CRIU's log). Why a keeper rather than the main process as the
 parent: the restored root keeps the parent-death signal it was dumped with (the zygote's SIGKILL), which fires
 when the parent *thread* exits, and the main process starts CRIU from short-lived worker threads; and a

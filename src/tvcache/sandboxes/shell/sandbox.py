@@ -14,7 +14,7 @@ the base tree's own path (so every sandbox, and every uncached run, sees the sam
 ``/var/tmp``, ``/dev/shm`` and ``/run`` are private and empty, ``/proc`` shows only the command's own
 processes, the network is a loopback of its own, and the capabilities that could undo any of this are dropped.
 bash is PID 1 of its PID namespace: when it ends or times out, everything it started dies with it. Commands
-are started by a small helper process per factory (``_zygote``), so the caller's large Python process is never
+are started by a small helper process per factory (``zygote``), so the caller's large Python process is never
 forked per command.
 
 With ``persistent=True`` each sandbox keeps one long-lived bash instead (``persistent``): the working

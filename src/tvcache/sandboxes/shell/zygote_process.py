@@ -1,4 +1,4 @@
-"""The code that runs inside the zygote process and its children (see ``_zygote`` for the why and the protocol).
+"""The code that runs inside the zygote process and its children (see ``zygote`` for the why and the protocol).
 
 This module is imported by a fresh ``python -I -S`` interpreter, so it imports only light standard-library
 modules and ``linux``: each module the zygote loads is memory that every fork must copy the page tables of
