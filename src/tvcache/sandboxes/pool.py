@@ -105,7 +105,8 @@ class WarmPool:
 
     def discard_foreign(self, snapshot: Snapshot) -> None:
         """An evicted snapshot this process did not make: stop the forks kept ready for it (the pool's own
-        sandboxes), and let the wrapped factory release what it can verify (``store.owners.SnapshotOwners._release_foreign``)."""
+        sandboxes), and let the wrapped factory release what it can verify
+        (``store.owners.SnapshotOwners._release_foreign``)."""
         self._stop_ready_forks(snapshot)
         release = getattr(self.factory, "discard_foreign", None)
         if release is not None:
