@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from ..calls import ToolCall, ToolSpec
@@ -35,6 +36,7 @@ __all__ = [
     "render_shell",
     "run_cancellable",
     "run_command",
+    "sh_tools",
     "validated",
     "wait_unreaped",
 ]
@@ -65,6 +67,12 @@ PERSISTENT_SH_TOOL = replace(
         "'timeout' in seconds (capped by the sandbox limit)."
     ),
 )
+
+
+def sh_tools(*, persistent: bool) -> Mapping[str, ToolSpec]:
+    """The tools of a backend whose one tool is ``sh``: one-shot, or over a persistent shell."""
+    sh = PERSISTENT_SH_TOOL if persistent else SH_TOOL
+    return MappingProxyType({sh.name: sh})
 
 
 def kill_group(group: int) -> None:

@@ -38,12 +38,11 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 
 from ..calls import ToolSpec
 from ..errors import SandboxError
 from ..protocol import Snapshot
-from .commands import PERSISTENT_SH_TOOL, SH_TOOL
+from .commands import sh_tools
 from .docker_container import ContainerSandbox
 from .docker_engine import (
     KIND,
@@ -183,8 +182,7 @@ class DockerSandboxFactory:
         self._slots = _Slots(max_containers)
         self._owned = _Owned(self.commands)
         self._release = weakref.finalize(self, self._owned.release)
-        sh = PERSISTENT_SH_TOOL if persistent else SH_TOOL
-        self._tools: Mapping[str, ToolSpec] = MappingProxyType({sh.name: sh})
+        self._tools = sh_tools(persistent=persistent)
         self.cost_hints: dict[str, float] = {"start": 0.5, "fork": 0.5, "snapshot": 1.0}
 
     @property

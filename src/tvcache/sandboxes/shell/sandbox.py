@@ -43,7 +43,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from ...calls import ToolCall, ToolSpec
@@ -52,12 +51,11 @@ from ...errors import SandboxError, SnapshotDeclined, SnapshotUnusable
 from ...protocol import Outcome, Snapshot, require_new_destination
 from ..commands import (
     FIXED_PATH,
-    PERSISTENT_SH_TOOL,
-    SH_TOOL,
     ShellResult,
     command_timeout,
     fixed_environment,
     render_shell,
+    sh_tools,
     validated,
 )
 from ..folder import FolderSandbox, FolderSandboxFactory
@@ -171,8 +169,7 @@ class ShellSandboxFactory:
             self.confinement = replace(self.confinement, tmpfs_size=str(limits.tmpfs_bytes))
         # Started with the first sandbox; ends with close() or the process.
         self.zygote = Zygote(self.confinement, cgroups=self.cgroups)
-        sh = PERSISTENT_SH_TOOL if persistent else SH_TOOL
-        self._tools: Mapping[str, ToolSpec] = MappingProxyType({sh.name: sh})
+        self._tools = sh_tools(persistent=persistent)
         self.cost_hints: dict[str, float] = {"start": 0.001, "fork": 0.001, "snapshot": 0.001}
 
     @property
