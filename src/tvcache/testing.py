@@ -285,7 +285,7 @@ CHECKS: Mapping[str, Check] = {
             name="snapshot-destination",
             property="snapshot refuses an existing destination, a dangling link too",
             body=_snapshot_destination,
-        ),  # fmt: skip
+        ),
         Check(name="bad-input", property="tool failures are outcomes and bad calls raise", body=_bad_input),
     )
 }

@@ -25,6 +25,7 @@ from ..protocol import Outcome
 from .threads import run_in_worker
 
 __all__ = [
+    "DRAIN_SECONDS",
     "FIXED_PATH",
     "PERSISTENT_SH_TOOL",
     "SH_TOOL",
