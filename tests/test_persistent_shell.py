@@ -406,7 +406,30 @@ def test_what_the_shell_state_route_cannot_carry_is_declined(tmp_path: Path, set
         finally:
             await sandbox.stop()
 
-    assert "goes on\n" in asyncio.run(main())  # a DEBUG trap prints around it
+    output = asyncio.run(main())
+    assert "goes on\n" in output  # a DEBUG trap prints around it
+    assert NEW_SHELL_NOTE not in output
+    assert factory.route_counts() == {"declined": 1}
+    factory.close()
+
+
+def test_a_state_too_large_to_capture_declines_and_the_shell_goes_on(tmp_path: Path) -> None:
+    # A 7 MB variable is one `x=$(cat big.log)` away. Its capture passes MAX_STATE_BYTES: the snapshot is declined
+    # by every route (CRIU's restore is checked against a capture too), and the live shell keeps its state - the
+    # capture once ended the shell there, and the next call said a new shell was started.
+    factory = factory_for(tmp_path)
+
+    async def main() -> str:
+        sandbox = await factory.start()
+        try:
+            await sandbox.execute(sh("x=$(seq 1 1000000); f() { echo kept; }"))
+            with pytest.raises(SnapshotDeclined, match="over 4 MiB"):
+                await sandbox.snapshot(tmp_path / "snap")
+            return (await sandbox.execute(sh('echo "${#x}"; f'))).output
+        finally:
+            await sandbox.stop()
+
+    assert asyncio.run(main()) == "6888895\nkept\n"
     assert factory.route_counts() == {"declined": 1}
     factory.close()
 

@@ -705,7 +705,10 @@ def kernel_pending(pid: int, signum: int) -> bool:
     return False
 
 
-CAPTURE_SECONDS = 5.0
+# A bound for a capture that never ends (a stuck shell), not a budget: a deadline hit ends the live shell, and on a
+# loaded machine (the suite's four workers on two cores) a capture once took over 5 s. A state over
+# MAX_STATE_BYTES is refused, and the shell goes on: the rest of it is read and dropped as it comes.
+CAPTURE_SECONDS = 60.0
 MAX_STATE_BYTES = 4 << 20
 
 
@@ -731,8 +734,9 @@ def prepare_capture(shell: CapturedShell) -> None:
 def take_capture(shell: CapturedShell, *, checked: bool = True) -> bytes:
     """The state of ``shell`` (idle, between commands): checked from outside, signalled, read from its terminal
     and parsed, with the sections read from outside added; as ``encode_state`` bytes. CaptureRefused says why
-    not; the shell then goes on as it was, unless it did not finish the trap in time (it is killed: the rest of
-    the capture could come later, inside a command's output; ``shell.alive`` turns False). ``checked=False``
+    not; the shell then goes on as it was (a state too large included), unless it did not finish the trap by
+    CAPTURE_SECONDS (it is killed: the rest of the capture could come later, inside a command's output;
+    ``shell.alive`` turns False). ``checked=False``
     skips the checks that no code of the user's can run inside the trap: for a shell that ran only our boot."""
     spawned = shell.spawned
     if spawned is None or not shell.alive:
@@ -764,15 +768,21 @@ def take_capture(shell: CapturedShell, *, checked: bool = True) -> bytes:
         raise CaptureRefused("the shell did not finish the state capture in time; it was ended")
     token, data = body
     _wait_trap_end(shell, deadline)
+    if data is None:
+        raise CaptureRefused(f"the shell's state is over {MAX_STATE_BYTES >> 20} MiB")
     return encode_state({**parse_capture(token, data), **outside})
 
 
-def _read_capture(shell: CapturedShell, memory: BashMemory, start: int, deadline: float) -> tuple[bytes, bytes] | None:
+def _read_capture(
+    shell: CapturedShell, memory: BashMemory, start: int, deadline: float
+) -> tuple[bytes, bytes | None] | None:
     """The token and the body of the capture the trap prints, cut out of the shell's buffer (what came before it
-    stays there); None at the deadline; CaptureRefused when the trap ran but printed no whole capture."""
+    stays there; the body None when it was over MAX_STATE_BYTES); None at the deadline; CaptureRefused when the
+    trap ran but printed no whole capture."""
     token = b""
     end = b""
-    begin = body_start = 0
+    begin = body_start = searched = 0
+    oversized = False  # the body passed MAX_STATE_BYTES: it is dropped as it comes, up to its end marker
     finished = False  # the trap has run: what it printed is all in the buffer
     while True:
         buffer = shell._buffer
@@ -781,14 +791,19 @@ def _read_capture(shell: CapturedShell, memory: BashMemory, start: int, deadline
             if found is not None:
                 begin, body_start, token = found[0] + start, found[1] + start, found[2]
                 end = end_marker(token)
+                searched = body_start
         if token:
-            index = buffer.find(end, body_start)
+            index = buffer.find(end, searched)
             if index >= 0:
                 body = bytes(buffer[body_start:index])
                 del buffer[begin : index + len(end)]
-                return token, body
+                return token, None if oversized else body
+            searched = max(body_start, len(buffer) - len(end) + 1)
             if len(buffer) - body_start > MAX_STATE_BYTES:
-                return None
+                oversized = True
+            if oversized:
+                del buffer[body_start:searched]  # a tail that may hold the marker's start stays
+                searched = body_start
         if finished:
             # What the trap printed is ours, never the next command's, whatever it looks like.
             del buffer[begin if token else start :]
