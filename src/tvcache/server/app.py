@@ -116,7 +116,7 @@ class Server:
 
     # -------------------------------------------------------------- endpoints
 
-    def native_endpoint(self, route: ApiRoute) -> Callable[[Request], Awaitable[Response]]:
+    def native_endpoint(self, route: ApiRoute[Any]) -> Callable[[Request], Awaitable[Response]]:
         limit = self.settings.max_body_bytes
         answer = self.dispatcher.answer
 

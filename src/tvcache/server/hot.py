@@ -151,7 +151,7 @@ class HotRoutes:
 
         return answer
 
-    def _native_answer(self, route: Route) -> Callable[[HotRequest, bytes], Reply]:
+    def _native_answer(self, route: Route[Any]) -> Callable[[HotRequest, bytes], Reply]:
         dispatcher = self.dispatcher
         if route.body is None or route.query or dispatcher.is_async(route):
             raise ValueError(f"{route.path}: a hot native route takes a body, no query, and answers at once")

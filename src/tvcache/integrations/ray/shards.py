@@ -37,7 +37,7 @@ from pydantic import ValidationError
 from ray.exceptions import RayError
 
 from ...api import models as m
-from ...api.routes import POST_ROUTES
+from ...api import routes
 from ...calls import ToolSpec
 from ...client.remote import RemoteCache
 from ...client.sharding import ShardRouter
@@ -64,7 +64,7 @@ SHARD_PREFIX = "tvcache-shard-"
 
 Reply = tuple[int, bytes]  # (HTTP status, JSON body), what a shard actor answers
 
-ATTACH = next(route.path for route in POST_ROUTES if route.handler == "attach")
+ATTACH = routes.ATTACH.path
 
 
 # Handles of non-detached shards started by this process, keeping them alive until ``stop_shards``.
@@ -309,7 +309,7 @@ class RayTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
 
     def _response(self, reply: Reply, request: httpx.Request) -> httpx.Response:
         status, body = reply
-        media = "text/plain" if request.url.path == "/metrics" else "application/json"
+        media = "text/plain" if request.url.path == routes.METRICS.path else "application/json"
         return httpx.Response(status, content=body, headers={"content-type": media}, request=request)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
