@@ -20,44 +20,15 @@ which a Ray shard does not serve. The reference TVCache routes are a table of th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel
 
-from ..errors import InvalidInput
 from . import models as m
+from .params import Param
 
 __all__ = ["GET_ROUTES", "POST_ROUTES", "ROUTES", "Param", "Route", "named", "route"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Param:
-    """A query parameter: text, or a non-negative integer (``low``..``high`` when bounded). ``default``: the
-    value when absent (None: it is required)."""
-
-    name: str
-    integer: bool = False
-    default: Any = None
-    low: int = 0
-    high: int | None = None
-
-    def parse(self, params: Mapping[str, str]) -> Any:
-        """The value in ``params``, or InvalidInput naming what is wrong (the server answers 422)."""
-        text = params.get(self.name)
-        if text is None and self.default is not None:
-            return self.default
-        if not text and self.default is None:
-            raise InvalidInput(f"query parameter {self.name!r} is required")
-        assert text is not None
-        if not self.integer:
-            return text
-        if not text.isdigit() or (self.high is not None and not self.low <= int(text) <= self.high):
-            if self.high is None:
-                raise InvalidInput(f"{self.name} must be a non-negative integer")
-            raise InvalidInput(f"{self.name} must be an integer from {self.low} to {self.high}")
-        return int(text)
 
 
 T = TypeVar("T")
@@ -95,7 +66,7 @@ def _get(path: str, reply: type[M], handler: str, summary: str, **kw: Any) -> Ro
 
 _TASK = Param(name="task_id")
 _NODE = Param(name="node_id", integer=True)
-_LIMIT = Param(name="limit", integer=True, default=2000, low=1, high=100_000)
+_LIMIT = Param(name="limit", required=False, integer=True, default=2000, low=1, high=100_000)
 
 # Each route by name, typed by its answer: clients send ``LOOKUP`` (its method, path and reply model), never a
 # path typed again.

@@ -43,13 +43,14 @@ from ..api.errors import (
     VALIDATION,
     ErrorCode,
 )
+from ..api.params import parse_query
 from ..api.routes import Route as ApiRoute
 from .dashboard import OPEN_PATHS, dashboard_routes
 from .hot import HotRoutes
 from .metrics import Histogram, render
 from .routes import Dispatcher, Refused, Reply, dumps, refusal, refused
 from .service import CacheService
-from .wire import WIRE_ROUTES, WireCompat, WireRoute, parse_query
+from .wire import WIRE_ROUTES, WireCompat, WireRoute
 
 __all__ = ["Guard", "ServerSettings", "create_app"]
 
@@ -233,7 +234,7 @@ class Server:
             response = ref(reply) if isinstance(reply, type) else {"type": reply}
             # task_id first, as clients read it (the table lists parameters in the order they are checked)
             names = sorted((p for p in route.query), key=lambda p: p.name != "task_id")
-            parameters = [query(p.name, required=p.default is None) for p in names]
+            parameters = [query(p.name, required=p.required) for p in names]
             paths.setdefault(route.path, {})[route.method.lower()] = operation(
                 route.summary,
                 response,

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
+from ..api.params import parse_query
 from .routes import Reply
-from .wire import WIRE_ROUTES, WireRoute, parse_query
+from .wire import WIRE_ROUTES, WireRoute
 
 if TYPE_CHECKING:
     from ..api.routes import Route

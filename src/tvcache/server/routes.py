@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from ..api.errors import METHOD_NOT_ALLOWED, NOT_FOUND, VALIDATION, ErrorCode, code_of, error_body
+from ..api.params import parse_query, query_values
 from ..api.routes import ROUTES, Route
 from ..api.routes import route as find_route
 from ..errors import InvalidInput
@@ -165,6 +166,6 @@ class Dispatcher:
     @staticmethod
     def _query(route: Route[Any], params: Mapping[str, str]) -> dict[str, Any]:
         try:
-            return {param.name: param.parse(params) for param in route.query}
+            return parse_query(query_values(params), route.query)
         except InvalidInput as error:
             raise Refused(VALIDATION, str(error)) from error

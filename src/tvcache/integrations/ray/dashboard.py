@@ -51,6 +51,7 @@ from starlette.types import ASGIApp
 from ... import __version__
 from ...api import routes as api
 from ...api.errors import METHOD_NOT_ALLOWED, NOT_FOUND, SHARD_DOWN, VALIDATION, ErrorCode, error_body
+from ...api.params import parse_query
 from ...client.sharding import rendezvous
 from ...errors import InvalidInput
 from ...server.activity import Tally
@@ -382,7 +383,7 @@ class _Routes:
 
         async def endpoint(request: Request) -> Response:
             try:
-                params = {param.name: str(param.parse(request.query_params)) for param in route.query}
+                params = {name: str(value) for name, value in parse_query(request.query_params, route.query).items()}
             except InvalidInput as error:
                 return _error(VALIDATION, str(error))
             task_id = params["task_id"]
