@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from .calls import ToolSpec
+from .calls import MAX_TASK_ID, ToolSpec
 from .errors import UnknownTool
 from .graph import Node, ToolCallGraph
 from .policies import Budget, CostAwareSnapshots, CostModel, EvictionPolicy, SnapshotPolicy
@@ -28,7 +28,7 @@ from .protocol import SandboxFactory, Snapshot
 from .recovery import JournalRecovery
 from .results import AuditFinding, CacheStats, NondeterminismMark
 from .session import Session, SyncSession
-from .store.local import MAX_TASK_ID, LocalStore
+from .store.local import LocalStore
 from .store.protocol import GraphStore
 
 __all__ = ["MAX_TASK_ID", "Cache", "NondeterminismWarning"]

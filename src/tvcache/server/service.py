@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from ..cache import Cache
-from ..calls import ToolCall
+from ..calls import ToolCall, check_task_id
 from ..errors import InvalidInput, NotFound, ServerBusy
 from ..graph import Lease, Node, ToolCallGraph, snapshot_key
 from ..policies import Budget
 from ..protocol import Outcome, Snapshot
 from ..store.inflight import ClaimKey, Inflight
-from ..store.local import LocalStore, check_task_id
+from ..store.local import LocalStore
 from ..store.protocol import Attached
 from . import models as m
 from .activity import Activity, Tally

@@ -28,11 +28,10 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from ..api.params import Param
-from ..calls import ToolCall, canonical_json
+from ..calls import MAX_TASK_ID, ToolCall, canonical_json
 from ..errors import InvalidInput, InvalidToolCall
 from ..graph import Node, ToolCallGraph
 from ..protocol import Outcome, Snapshot
-from ..store.local import MAX_TASK_ID
 from . import models as m
 from .service import CacheService, HeldLease, NotFound
 from .wire_compat import WIRE_TOOL, check_wire_insert, decode_value

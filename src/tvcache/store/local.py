@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..calls import ToolCall, canonical_json, stable_digest
-from ..errors import InvalidTaskId, InvalidToolCall, JournalError, SandboxError
+from ..calls import MAX_TASK_ID, ToolCall, canonical_json, check_task_id, stable_digest
+from ..errors import InvalidToolCall, JournalError, SandboxError
 from ..graph import Lease, MatchResult, Node, ToolCallGraph
 from ..journal import Journal, JournalWarning
 from ..policies import Budget, CostModel, EvictionPolicy, LowReuseFirst, SnapshotPolicy
@@ -58,19 +58,7 @@ from .records import (
     TestRecord,
 )
 
-__all__ = ["MAX_TASK_ID", "LocalStore", "check_task_id"]
-
-MAX_TASK_ID = 1024
-
-
-def check_task_id(task_id: object) -> None:
-    """InvalidTaskId unless ``task_id`` is a non-empty string of at most ``MAX_TASK_ID`` characters, no NUL."""
-    if not isinstance(task_id, str) or not task_id or len(task_id) > MAX_TASK_ID:
-        raise InvalidTaskId(
-            f"task id must be a non-empty string of at most {MAX_TASK_ID} characters, got {task_id!r:.80}"
-        )
-    if "\x00" in task_id:
-        raise InvalidTaskId("task id must not contain NUL characters")
+__all__ = ["MAX_TASK_ID", "LocalStore", "check_task_id"]  # the task id rule: ``tvcache.calls``
 
 
 class LocalStore:

@@ -19,11 +19,10 @@ from collections.abc import Callable
 
 from ...api import models as m
 from ...api import routes
-from ...calls import ToolCall
+from ...calls import ToolCall, check_task_id
 from ...errors import ReplicaDropped, ServerError
 from ...graph import Node, ToolCallGraph
 from ...protocol import Snapshot
-from ..local import check_task_id
 from .transport import ServerConnection
 
 __all__ = ["Replicas"]
