@@ -286,7 +286,7 @@ class Cache:
         with self._telemetry_lock:
             return self._audit_rng.random() < self.audit_rate
 
-    def claim_verification(self, task_id: str, spec: ToolSpec) -> bool:
+    def claim_check(self, task_id: str, spec: ToolSpec) -> bool:
         """True once per task and undeclared tool (``spec.deterministic is None``), to the session that is to
         check that tool's first hit in the task; False when checks are off, the tool is declared, or it was
         (or is being) checked already."""
@@ -294,11 +294,11 @@ class Cache:
             return False
         return self._store.claim_check(task_id, spec.name)
 
-    def passed_verification(self, task_id: str, tool: str) -> None:
+    def pass_check(self, task_id: str, tool: str) -> None:
         """The first-hit check agreed: a reopened cache does not check that tool in the task again."""
         self._store.pass_check(task_id, tool)
 
-    def release_verification(self, task_id: str, tool: str) -> None:
+    def release_check(self, task_id: str, tool: str) -> None:
         """The check could not run (the sandbox failed, the session was cancelled): a later hit tries again."""
         self._store.release_check(task_id, tool)
 

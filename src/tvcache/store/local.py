@@ -85,10 +85,10 @@ class LocalStore:
         self._nondeterministic: dict[str, str] = {}
         self._nondeterministic_in: dict[str, dict[str, str]] = {}
         # (task, tool) pairs whose first-hit check has been done or is running; those done and agreeing are
-        # journaled (``_checked``), so a reopened cache — a proxy runs one process per connection — does not
+        # journaled (``_checks_passed``), so a reopened cache — a proxy runs one process per connection — does not
         # start a sandbox on every open just to check again what it already checked.
-        self._verified: set[tuple[str, str]] = set()
-        self._checked: set[tuple[str, str]] = set()
+        self._checks_claimed: set[tuple[str, str]] = set()
+        self._checks_passed: set[tuple[str, str]] = set()
         self.inflight: Inflight[Node | None] = Inflight()
         self.owners = SnapshotOwners(discard=discard)
         self.verify_snapshots = verify_snapshots
@@ -495,16 +495,16 @@ class LocalStore:
         """Lift one mark in memory (the caller journals it, or is replaying the journal)."""
         if task_id is None:
             self._nondeterministic.pop(tool, None)
-            self._verified = {pair for pair in self._verified if pair[1] != tool}
-            self._checked = {pair for pair in self._checked if pair[1] != tool}
+            self._checks_claimed = {pair for pair in self._checks_claimed if pair[1] != tool}
+            self._checks_passed = {pair for pair in self._checks_passed if pair[1] != tool}
             return
         tools = self._nondeterministic_in.get(task_id)
         if tools is not None:
             tools.pop(tool, None)
             if not tools:
                 del self._nondeterministic_in[task_id]
-        self._verified.discard((task_id, tool))  # cached again: its next first hit is checked again
-        self._checked.discard((task_id, tool))
+        self._checks_claimed.discard((task_id, tool))  # cached again: its next first hit is checked again
+        self._checks_passed.discard((task_id, tool))
 
     def nondeterministic_marks(self, task_id: str | None = None) -> list[NondeterminismMark]:
         with self._lock:
@@ -530,25 +530,25 @@ class LocalStore:
     def claim_check(self, task_id: str, tool: str) -> bool:
         with self._lock:
             key = (task_id, tool)
-            if key in self._verified:
+            if key in self._checks_claimed:
                 return False
-            self._verified.add(key)
+            self._checks_claimed.add(key)
             return True
 
     def pass_check(self, task_id: str, tool: str) -> None:
         with self._lock:
-            if (task_id, tool) in self._checked:
+            if (task_id, tool) in self._checks_passed:
                 return
             try:
                 self.append(CheckedRecord(task_id=task_id, tool=tool))
             except JournalError as error:  # losing it costs one more check after a reopen, never a wrong answer
                 warnings.warn(f"{error} (a passed first-hit check stays in memory only)", JournalWarning, stacklevel=3)
                 return
-            self._checked.add((task_id, tool))
+            self._checks_passed.add((task_id, tool))
 
     def release_check(self, task_id: str, tool: str) -> None:
         with self._lock:
-            self._verified.discard((task_id, tool))
+            self._checks_claimed.discard((task_id, tool))
 
     # ------------------------------------------------------------- durability
 
@@ -568,8 +568,8 @@ class LocalStore:
                 self._nondeterministic_in.setdefault(record.task_id, {})[record.tool] = record.reason
         elif isinstance(record, CheckedRecord):
             check_task_id(record.task_id)
-            self._verified.add((record.task_id, record.tool))
-            self._checked.add((record.task_id, record.tool))
+            self._checks_claimed.add((record.task_id, record.tool))
+            self._checks_passed.add((record.task_id, record.tool))
         elif isinstance(record, ClearRecord):
             if record.task_id is not None:
                 check_task_id(record.task_id)
@@ -580,7 +580,7 @@ class LocalStore:
     def checked(self) -> list[tuple[str, str]]:
         """The (task, tool) pairs whose first-hit check passed and was journaled, sorted."""
         with self._lock:
-            return sorted(self._checked)
+            return sorted(self._checks_passed)
 
     def records(self) -> Iterator[Record]:
         """The current state as journal records (what compaction writes)."""
