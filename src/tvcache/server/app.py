@@ -45,6 +45,7 @@ from ..api.errors import (
 )
 from ..api.params import parse_query
 from ..api.routes import Route as ApiRoute
+from ..defaults import MAX_BODY_BYTES
 from .dashboard import OPEN_PATHS, dashboard_routes
 from .hot import HotRoutes
 from .metrics import Histogram, render
@@ -60,7 +61,7 @@ class ServerSettings:
     """Limits and policies of one server process."""
 
     token: str | None = None
-    max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes: int = MAX_BODY_BYTES
     max_query_bytes: int = 1024 * 1024
     sweep_interval: float = 1.0
 

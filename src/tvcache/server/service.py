@@ -28,6 +28,7 @@ from typing import Any
 
 from ..cache import Cache
 from ..calls import ToolCall, check_task_id
+from ..defaults import CLAIM_TTL, LEASE_TTL
 from ..errors import InvalidInput, NotFound, ServerBusy
 from ..graph import Lease, Node, ToolCallGraph, snapshot_key
 from ..policies import Budget
@@ -108,8 +109,8 @@ class CacheService:
         *,
         budget: Budget | None = None,
         fsync: bool = False,
-        claim_ttl: float = 30.0,
-        lease_ttl: float = 600.0,
+        claim_ttl: float = CLAIM_TTL,
+        lease_ttl: float = LEASE_TTL,
         max_held: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

@@ -41,6 +41,7 @@ from ...api import routes
 from ...calls import ToolSpec
 from ...client.remote import RemoteCache
 from ...client.sharding import ShardRouter
+from ...defaults import CLAIM_TTL, LEASE_TTL
 from ...errors import InvalidInput, JournalError
 from ...policies import Budget
 from ...server.metrics import Histogram, render
@@ -89,8 +90,8 @@ class ShardActor:
         data_dir: str | None,
         *,
         fsync: bool = False,
-        claim_ttl: float = 30.0,
-        lease_ttl: float = 600.0,
+        claim_ttl: float = CLAIM_TTL,
+        lease_ttl: float = LEASE_TTL,
         budget: dict[str, Any] | None = None,
         sweep_interval: float = 1.0,
         lock_wait: float = 60.0,
@@ -205,8 +206,8 @@ def start_shards(
     address: str | None = None,
     detached: bool = True,
     fsync: bool = False,
-    claim_ttl: float = 30.0,
-    lease_ttl: float = 600.0,
+    claim_ttl: float = CLAIM_TTL,
+    lease_ttl: float = LEASE_TTL,
     budget: Budget | None = None,
     timeout: float = 60.0,
     scheduling_strategy: Any = "SPREAD",

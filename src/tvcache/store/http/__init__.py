@@ -5,8 +5,8 @@
 - ``transport``: ``ServerConnection``, the round trips (blocking, and on a background loop) and their refusals.
 """
 
-from .operations import HttpStore, RemoteLease
+from .operations import HttpStore, HttpStoreOptions, RemoteLease
 from .replica import Replicas
 from .transport import INSTANCE_HEADER, ServerConnection
 
-__all__ = ["INSTANCE_HEADER", "HttpStore", "RemoteLease", "Replicas", "ServerConnection"]
+__all__ = ["INSTANCE_HEADER", "HttpStore", "HttpStoreOptions", "RemoteLease", "Replicas", "ServerConnection"]

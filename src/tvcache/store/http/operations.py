@@ -29,7 +29,7 @@ import tempfile
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import httpx
 from pydantic import BaseModel
@@ -37,6 +37,7 @@ from pydantic import BaseModel
 from ...api import models as m
 from ...api import routes
 from ...calls import ToolCall, canonical_json
+from ...defaults import CLAIM_TTL
 from ...errors import ClaimLost, InvalidToolCall, ReplicaDropped, SandboxError, ServerError, TVCacheError
 from ...graph import Lease, Node, ToolCallGraph
 from ...policies import CostModel, SnapshotPolicy
@@ -49,7 +50,7 @@ from ..protocol import Attached, Claim, Dropped, StoreStats, TestLookup
 from .replica import Replicas
 from .transport import ServerConnection
 
-__all__ = ["HttpStore", "RemoteLease"]
+__all__ = ["HttpStore", "HttpStoreOptions", "RemoteLease"]
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -71,6 +72,19 @@ def _call(call: ToolCall) -> m.CallIn:
     return m.CallIn.model_construct(name=call.name, arguments=dict(call.arguments))
 
 
+class HttpStoreOptions(TypedDict, total=False):
+    """``HttpStore``'s keyword options (defaults and meaning there), for what builds one (``RemoteCache``)."""
+
+    token: str | None
+    snapshot_dir: str | Path | None
+    timeout: float
+    claim_ttl: float
+    wait_timeout: float
+    transport: httpx.BaseTransport | None
+    async_transport: httpx.AsyncBaseTransport | None
+    epoch: int | None
+
+
 class HttpStore:
     """The graphs of ``url``'s server, with a replica here. See the module docstring.
 
@@ -87,7 +101,7 @@ class HttpStore:
         token: str | None = None,
         snapshot_dir: str | Path | None = None,
         timeout: float = 60.0,
-        claim_ttl: float = 30.0,
+        claim_ttl: float = CLAIM_TTL,
         wait_timeout: float = 10.0,
         transport: httpx.BaseTransport | None = None,
         async_transport: httpx.AsyncBaseTransport | None = None,
