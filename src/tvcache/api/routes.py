@@ -4,7 +4,7 @@ Each ``Route`` names its method and path, the body it takes and the body it answ
 the query parameters of a GET, the operation that serves it and a one-line description. The table feeds:
 
 - the server's Starlette app and its OpenAPI document (``tvcache.server.app``), through the dispatcher that
-  binds it to a ``CacheService`` (``tvcache.server.routes``);
+  binds it to a ``CacheService`` (``tvcache.server.dispatch``);
 - the Ray shard actors, which dispatch with that same dispatcher (``tvcache.integrations.ray.shards``);
 - the clients, which take each route by name (``LOOKUP``, ``CLAIM``...: its method, path and reply model), never
   by its path: the HTTP store (``tvcache.store.http``), the Ray dashboard and bench.

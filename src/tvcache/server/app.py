@@ -2,7 +2,7 @@
 see docs/server.md), pydantic validation, bearer-token auth, request size limits, an OpenAPI document built from
 the same models that validate requests, Prometheus metrics and the reference TVCache routes.
 
-The native routes are the one table ``tvcache.api.routes.ROUTES`` (served through ``routes.Dispatcher``, which
+The native routes are the one table ``tvcache.api.routes.ROUTES`` (served through ``dispatch.Dispatcher``, which
 Ray's shard actors use too). Errors are JSON ``{"error": {"type": ..., "message": ...}}`` with the statuses of the
 one table ``tvcache.api.errors``: 422 for a body or query that does not fit the schema (with pydantic's list of
 problems), 400 for a value the cache cannot accept, 404 for an unknown node, claim or lease, 401 for a missing or
@@ -47,9 +47,9 @@ from ..api.params import parse_query
 from ..api.routes import Route as ApiRoute
 from ..defaults import MAX_BODY_BYTES
 from .dashboard import OPEN_PATHS, dashboard_routes
+from .dispatch import Dispatcher, Refused, Reply, dumps, refusal, refused
 from .hot import HotRoutes
 from .metrics import Histogram, render
-from .routes import Dispatcher, Refused, Reply, dumps, refusal, refused
 from .service import CacheService
 from .wire import WIRE_ROUTES, WireCompat, WireRoute
 

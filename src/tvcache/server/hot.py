@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
 from ..api.params import parse_query
-from .routes import Reply
+from .dispatch import Reply
 from .wire import WIRE_ROUTES, WireRoute
 
 if TYPE_CHECKING:
     from ..api.routes import Route
-    from .routes import Dispatcher
+    from .dispatch import Dispatcher
 
 __all__ = ["HOT", "MAX_HOT_BODY", "Framed", "HotRequest", "HotRoutes", "RawQuery"]
 

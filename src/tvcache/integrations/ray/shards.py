@@ -2,7 +2,7 @@
 
 A shard actor wraps the very ``CacheService`` that ``tvcache serve`` wraps, and answers the same native ``/v1``
 operations through the same route table, dispatcher and error table as the HTTP server (``tvcache.api.routes``,
-``tvcache.server.routes.Dispatcher``, ``tvcache.api.errors``), so claims, leases, inserts, their validation and
+``tvcache.server.dispatch.Dispatcher``, ``tvcache.api.errors``), so claims, leases, inserts, their validation and
 their refusals behave exactly as over HTTP. It is an async actor: a long-poll
 (``/v1/claim/wait``) awaits on the actor's event loop without blocking other requests, just as on uvicorn.
 
@@ -44,9 +44,9 @@ from ...client.sharding import ShardRouter
 from ...defaults import CLAIM_TTL, LEASE_TTL
 from ...errors import InvalidInput, JournalError
 from ...policies import Budget
+from ...server.dispatch import Dispatcher
+from ...server.dispatch import Reply as Answer
 from ...server.metrics import Histogram, render
-from ...server.routes import Dispatcher
-from ...server.routes import Reply as Answer
 from ...server.service import CacheService
 
 __all__ = [
