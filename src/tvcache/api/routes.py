@@ -98,43 +98,24 @@ CLEAR_NONDETERMINISTIC = _post(
     "Lift non-determinism marks (by tool and task; null: any)",
 )
 
+# fmt: off
 STATS: Route[dict[str, Any]] = Route(method="GET", path="/v1/stats", handler="stats", summary="Counters and sizes")
 TASKS = _get("/v1/tasks", m.TasksOut, "tasks", "Tasks with their sizes", server_only=True)
 EXPORT = _get("/v1/graph", m.GraphOut, "export", "Export a task's graph", query=(_TASK,), server_only=True)
 PATH = _get("/v1/path", m.PathOut, "path", "The nodes from the root to a node", query=(_NODE, _TASK))
-ACTIVITY = _get(
-    "/v1/activity",
-    m.ActivityOut,
-    "activity_report",
-    "Hits, misses and time saved by task and epoch",
-    server_only=True,
-)
-OUTLINE = _get(
-    "/v1/graph/outline",
-    m.OutlineOut,
-    "outline",
-    "A task's graph without results, for drawing",
-    query=(_LIMIT, _TASK),
-    server_only=True,
-)
-NODE = _get(
-    "/v1/node",
-    m.NodeOut,
-    "node_detail",
-    "One node with its call and result",
-    query=(_NODE, _TASK),
-    server_only=True,
-)
-NONDETERMINISTIC = _get(
-    "/v1/tools/nondeterministic", m.NondeterministicOut, "nondeterministic", "Tools never served from cache"
-)
-HEALTHZ: Route[dict[str, Any]] = Route(
-    method="GET", path="/healthz", handler="healthz", summary="Liveness (no auth)", on="server", server_only=True
-)
-METRICS: Route[str] = Route(
-    method="GET", path="/metrics", handler="metrics", reply="string", summary="Prometheus metrics", on="server",
-    server_only=True,
-)  # fmt: skip
+ACTIVITY = _get("/v1/activity", m.ActivityOut, "activity_report", "Hits, misses and time saved by task and epoch",
+                server_only=True)
+OUTLINE = _get("/v1/graph/outline", m.OutlineOut, "outline", "A task's graph without results, for drawing",
+               query=(_LIMIT, _TASK), server_only=True)
+NODE = _get("/v1/node", m.NodeOut, "node_detail", "One node with its call and result", query=(_NODE, _TASK),
+            server_only=True)
+NONDETERMINISTIC = _get("/v1/tools/nondeterministic", m.NondeterministicOut, "nondeterministic",
+                        "Tools never served from cache")
+HEALTHZ: Route[dict[str, Any]] = Route(method="GET", path="/healthz", handler="healthz", summary="Liveness (no auth)",
+                                       on="server", server_only=True)
+METRICS: Route[str] = Route(method="GET", path="/metrics", handler="metrics", reply="string",
+                            summary="Prometheus metrics", on="server", server_only=True)
+# fmt: on
 
 POST_ROUTES: tuple[Route[Any], ...] = (
     LOOKUP, TOUCH, CLAIM, HEARTBEAT, RESOLVE, WAIT, INSERT, ATTACH, LEASE, RELEASE, DROP, TEST_GET, TEST_PUT,

@@ -4,11 +4,13 @@ write them as JSON (``--json PATH``). They are commands, never test assertions."
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import statistics
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -31,3 +33,11 @@ def latency_stats(samples: list[float]) -> dict[str, float]:
         "p95_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))] * 1000,
         "n": len(ordered),
     }
+
+
+def write_figures(figures: dict[str, Any], json_path: str | None, *, blank_line: bool = False) -> None:
+    """Write a benchmark's figures as JSON to ``json_path`` (None: nowhere) and say so, after a blank line when
+    ``blank_line`` (below a table)."""
+    if json_path:
+        Path(json_path).write_text(json.dumps(figures, indent=2))
+        print(f"{chr(10) if blank_line else ''}wrote {json_path}")

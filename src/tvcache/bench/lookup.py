@@ -13,13 +13,11 @@ Bytes per node are measured with tracemalloc while building, less the result str
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import statistics
 import sys
 import time
 import tracemalloc
-from pathlib import Path
 from typing import Any
 
 from ..cache import Cache
@@ -27,6 +25,7 @@ from ..calls import ToolCall, ToolSpec
 from ..graph import ToolCallGraph
 from ..protocol import Sandbox, Snapshot
 from ..store.local import LocalStore
+from . import write_figures
 
 DEPTHS = (1, 2, 4, 8, 16, 32, 64)
 COMMANDS = ("cat src/main.py", "make -j2", "pytest -x tests/", "git diff", "sed -i s/a/b/ f.py", "ls -la")
@@ -166,7 +165,5 @@ def run(*, nodes: int = 100_000, repeats: int = 2000, seed: int = 0, json_path: 
         "depths": rows,
         "python": sys.version.split()[0],
     }
-    if json_path:
-        Path(json_path).write_text(json.dumps(figures, indent=2))
-        print(f"\nwrote {json_path}")
+    write_figures(figures, json_path, blank_line=True)
     return figures

@@ -34,6 +34,7 @@ from typing import Any
 
 from ..calls import ToolSpec, canonical_json
 from ..protocol import Sandbox, Snapshot
+from . import write_figures
 
 DEPTH = 16
 ROUNDS = 3
@@ -320,7 +321,5 @@ def run(*, calls: int, tasks: int = 64, tail: int | None = None, seed: int = 0, 
         "median": median,
         "python": sys.version.split()[0],
     }
-    if json_path:
-        Path(json_path).write_text(json.dumps(figures, indent=2))
-        print(f"\nwrote {json_path}")
+    write_figures(figures, json_path, blank_line=True)
     return 0

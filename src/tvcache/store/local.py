@@ -29,7 +29,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from ..calls import MAX_TASK_ID, ToolCall, canonical_json, check_task_id, stable_digest
 from ..errors import InvalidToolCall, JournalError, SandboxError
@@ -45,7 +45,7 @@ from . import durable
 from .checkpoint import Checkpoint
 from .inflight import ClaimKey, Inflight, check_key
 from .owners import SnapshotOwners
-from .protocol import Attached, Claim, Dropped, StoreStats, TestLookup
+from .protocol import Attached, Claim, Dropped, StoreStats, TestLookup, check_output
 from .records import (
     CheckedRecord,
     ClearRecord,
@@ -58,7 +58,18 @@ from .records import (
     TestRecord,
 )
 
-__all__ = ["MAX_TASK_ID", "LocalStore", "check_task_id"]  # the task id rule: ``tvcache.calls``
+__all__ = ["MAX_TASK_ID", "LocalStore", "LocalStoreOptions", "check_task_id"]  # the task id rule: ``tvcache.calls``
+
+
+class LocalStoreOptions(TypedDict, total=False):
+    """``LocalStore``'s keyword options besides its policies (defaults and meaning there), for what opens one
+    (``Cache``)."""
+
+    fsync: bool
+    compact_on_open: bool
+    clock: Callable[[], float]
+    discard: Callable[[Snapshot], None] | None
+    verify_snapshots: bool
 
 
 class LocalStore:
@@ -240,13 +251,7 @@ class LocalStore:
     def record(
         self, graph: ToolCallGraph, state: Node, call: ToolCall, outcome: Outcome, *, seconds: float, read_only: bool
     ) -> Node:
-        try:
-            outcome.output.encode()
-        except UnicodeEncodeError as error:
-            raise SandboxError(
-                f"the sandbox returned output for {call} that is not valid Unicode ({error.reason}); backends "
-                "must decode tool output with errors='replace'"
-            ) from error
+        check_output(call, outcome)
         with self._lock:
             existing = state.step(call)
             if existing is not None:

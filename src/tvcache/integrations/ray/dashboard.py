@@ -59,7 +59,7 @@ from ...server.app import Guard
 from ...server.dashboard import dashboard_routes
 from ...server.metrics import label_expositions, label_value
 from ...server.runner import check_token
-from .shards import DEFAULT_NAMESPACE, ensure_ray, find_shards
+from .shards import DEFAULT_NAMESPACE, ensure_ray, shard_names
 
 __all__ = ["DEFAULT_PORT", "ShardAnswer", "ShardDown", "ShardReader", "create_dashboard_app", "serve_dashboard"]
 
@@ -423,12 +423,7 @@ def create_dashboard_app(
     after starting more). ``token``: the bearer token every data route requires (None: no auth; bind loopback
     only). ``timeout``: seconds a shard has to answer before it is reported down."""
     ensure_ray(address, namespace=namespace)
-    names = list(shards) if shards is not None else find_shards(namespace)
-    if not names:
-        raise InvalidInput(
-            f"no tvcache shard actors in Ray namespace {namespace!r}; start them with `tvcache ray up --shards N` "
-            "or tvcache.integrations.ray.start_shards(N, data_dir=...)"
-        )
+    names = shard_names(namespace, shards)
     routes = _Routes(ShardReader(names, namespace=namespace, timeout=timeout))
 
     async def not_found(request: Request, exc: Exception) -> Response:

@@ -56,6 +56,7 @@ __all__ = [
     "RayTransport",
     "ShardActor",
     "find_shards",
+    "shard_names",
     "start_shards",
     "stop_shards",
 ]
@@ -274,6 +275,17 @@ def find_shards(namespace: str = DEFAULT_NAMESPACE) -> list[str]:
         names.append(name)
 
 
+def shard_names(namespace: str, shards: Sequence[str] | None = None) -> list[str]:
+    """``shards``, or the shard actors running in ``namespace`` (``find_shards``); InvalidInput for none."""
+    names = list(shards) if shards is not None else find_shards(namespace)
+    if not names:
+        raise InvalidInput(
+            f"no tvcache shard actors in Ray namespace {namespace!r}; start them with `tvcache ray up --shards N` "
+            "or tvcache.integrations.ray.start_shards(N, data_dir=...)"
+        )
+    return names
+
+
 def stop_shards(namespace: str = DEFAULT_NAMESPACE) -> list[str]:
     """Kill every shard actor in ``namespace`` for good (their journals stay on disk). Returns their names."""
     names = find_shards(namespace)
@@ -355,12 +367,7 @@ class RayCache(ShardRouter[RemoteCache]):
         **options: Any,
     ) -> None:
         ensure_ray(address, namespace=namespace)
-        names = list(shards) if shards is not None else find_shards(namespace)
-        if not names:
-            raise InvalidInput(
-                f"no tvcache shard actors in Ray namespace {namespace!r}; start them with `tvcache ray up --shards N` "
-                "or tvcache.integrations.ray.start_shards(N, data_dir=...)"
-            )
+        names = shard_names(namespace, shards)
         if len(set(names)) != len(names):
             raise InvalidInput("RayCache got the same shard name twice")
         specs = list(tools)

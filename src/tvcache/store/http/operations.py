@@ -38,7 +38,7 @@ from ...api import models as m
 from ...api import routes
 from ...calls import ToolCall, canonical_json
 from ...defaults import CLAIM_TTL
-from ...errors import ClaimLost, InvalidToolCall, ReplicaDropped, SandboxError, ServerError, TVCacheError
+from ...errors import ClaimLost, InvalidToolCall, ReplicaDropped, ServerError, TVCacheError
 from ...graph import Lease, Node, ToolCallGraph
 from ...policies import CostModel, SnapshotPolicy
 from ...protocol import Outcome, SandboxFactory, Snapshot
@@ -46,7 +46,7 @@ from ...results import NondeterminismMark
 from ..inflight import Inflight
 from ..local import LocalStore
 from ..owners import SnapshotOwners
-from ..protocol import Attached, Claim, Dropped, StoreStats, TestLookup
+from ..protocol import Attached, Claim, Dropped, StoreStats, TestLookup, check_output
 from .replica import Replicas
 from .transport import ServerConnection
 
@@ -284,13 +284,7 @@ class HttpStore:
     def record(
         self, graph: ToolCallGraph, state: Node, call: ToolCall, outcome: Outcome, *, seconds: float, read_only: bool
     ) -> Node:
-        try:
-            outcome.output.encode()
-        except UnicodeEncodeError as error:
-            raise SandboxError(
-                f"the sandbox returned output for {call} that is not valid Unicode ({error.reason}); backends "
-                "must decode tool output with errors='replace'"
-            ) from error
+        check_output(call, outcome)
         fields: dict[str, Any] = {
             "task_id": graph.task_id,
             "parent": state.id,
