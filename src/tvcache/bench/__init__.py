@@ -12,6 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..calls import ToolSpec
+from ..protocol import Sandbox, Snapshot
+
 
 @contextlib.contextmanager
 def overlay_scratch(name: str) -> Iterator[Path]:
@@ -41,3 +44,22 @@ def write_figures(figures: dict[str, Any], json_path: str | None, *, blank_line:
     if json_path:
         Path(json_path).write_text(json.dumps(figures, indent=2))
         print(f"{chr(10) if blank_line else ''}wrote {json_path}")
+
+
+class HitsOnly:
+    """A sandbox factory for benchmarks whose every call hits: none is ever started, and this one refuses to.
+    ``tool``: the deterministic tool the calls name."""
+
+    kind = "bench"
+
+    def __init__(self, tool: str) -> None:
+        self.tools = {tool: ToolSpec(name=tool, deterministic=True)}  # every call hits: nothing to check
+
+    async def start(self) -> Sandbox:
+        raise AssertionError("a hit must not start a sandbox")
+
+    async def fork(self, snapshot: Snapshot) -> Sandbox:
+        raise AssertionError("a hit must not fork a sandbox")
+
+    def discard(self, snapshot: Snapshot) -> None:
+        pass
