@@ -501,3 +501,154 @@ def test_checker_finds_private_attributes_of_other_objects(tmp_path: Path) -> No
         "pkg/service.py:6: pkg.service uses self._cache._lock",
         "pkg/service.py:7: pkg.service uses getattr(cache, '_graphs')",
     ]
+
+
+# ----- routes and clients
+#
+# Every route the service serves (``ROUTES`` in ``tvcache/api/routes.py``) has a call in ``HttpStore`` (a
+# module of ``tvcache.store.http`` naming its constant: ``routes.LOOKUP``), or is marked ``server_only=True`` in
+# the table; and a route so marked has no such call. Read from the source like the rules above: a route is a
+# module-level constant of the table built by ``_post``, ``_get`` or ``Route``, ``ROUTES`` the constants its
+# tuples (and sums of tuples) list, and a call any name or attribute in the clients that resolves through their
+# imports to a route constant.
+
+ROUTE_TABLE = "tvcache.api.routes"
+ROUTE_CLIENTS = "tvcache.store.http"
+ROUTE_MAKERS = {"_post": "POST", "_get": "GET", "Route": None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableRoute:
+    name: str
+    method: str
+    path: str
+    server_only: bool
+    line: int
+
+
+def _literal(node: ast.expr | None) -> object:
+    return node.value if isinstance(node, ast.Constant) else None
+
+
+def route_table(module: Module) -> dict[str, TableRoute]:
+    """The route constants ``ROUTES`` holds, by name."""
+    made: dict[str, TableRoute] = {}
+    values: dict[str, ast.expr] = {}
+    for statement in parse(module).body:
+        if isinstance(statement, ast.Assign) and len(statement.targets) == 1:
+            target, value = statement.targets[0], statement.value
+        elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
+            target, value = statement.target, statement.value
+        else:
+            continue
+        if not isinstance(target, ast.Name):
+            continue
+        values[target.id] = value
+        call = value
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in ROUTE_MAKERS):
+            continue
+        keywords = {keyword.arg: keyword.value for keyword in call.keywords}
+        method = ROUTE_MAKERS[call.func.id] or _literal(keywords.get("method"))
+        path = _literal(call.args[0]) if call.args else _literal(keywords.get("path"))
+        made[target.id] = TableRoute(
+            name=target.id,
+            method=str(method),
+            path=str(path),
+            server_only=_literal(keywords.get("server_only")) is True,
+            line=statement.lineno,
+        )
+
+    def listed(node: ast.expr) -> Iterator[str]:
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            yield from listed(node.left)
+            yield from listed(node.right)
+        elif isinstance(node, ast.Tuple):
+            for element in node.elts:
+                yield from listed(element)
+        elif isinstance(node, ast.Name):
+            if node.id in made:
+                yield node.id
+            elif node.id in values:
+                yield from listed(values[node.id])
+
+    served = list(listed(values["ROUTES"])) if "ROUTES" in values else []
+    return {name: made[name] for name in served}
+
+
+def route_references(modules: dict[str, Module], table: str, clients: str) -> set[str]:
+    """The names of ``table``'s module-level constants that the modules of ``clients`` use."""
+    used: set[str] = set()
+    for name, module in modules.items():
+        if name != clients and not name.startswith(f"{clients}."):
+            continue
+        tree = parse(module)
+        aliases = module_aliases(module, tree, modules)
+        for node in ast.walk(tree):
+            dotted = _dotted(node) if isinstance(node, ast.Attribute | ast.Name) else None
+            if dotted is None or dotted[0] not in aliases:
+                continue
+            full = ".".join((*aliases[dotted[0]], *dotted[1:]))
+            prefix = f"{table}."
+            if full.startswith(prefix) and "." not in full[len(prefix) :]:
+                used.add(full[len(prefix) :])
+    return used
+
+
+def route_client_report(src: Path, root: str, table: str = ROUTE_TABLE, clients: str = ROUTE_CLIENTS) -> list[str]:
+    modules = discover(src, [root])
+    routes = route_table(modules[table])
+    used = route_references(modules, table, clients)
+    report = []
+    for route in routes.values():
+        where = modules[table].where(route.line)
+        if route.name not in used and not route.server_only:
+            report.append(
+                f"{where}: {route.name} ({route.method} {route.path}) has no call in {clients}: add one, or mark "
+                "it server_only=True"
+            )
+        elif route.name in used and route.server_only:
+            report.append(f"{where}: {route.name} ({route.method} {route.path}) is marked server_only, but "
+                          f"{clients} sends it")  # fmt: skip
+    return report
+
+
+def test_every_served_route_has_a_client_call_or_is_server_only() -> None:
+    assert route_client_report(SRC, "tvcache") == []
+
+
+def test_the_route_checker_reads_the_real_table() -> None:
+    modules = discover(SRC, ["tvcache"])
+    routes = route_table(modules[ROUTE_TABLE])
+    assert routes["LOOKUP"] == TableRoute(
+        name="LOOKUP", method="POST", path="/v1/lookup", server_only=False, line=routes["LOOKUP"].line
+    )
+    assert routes["METRICS"].server_only
+    assert {"LOOKUP", "CLAIM", "INSERT", "STATS", "PATH"} <= route_references(modules, ROUTE_TABLE, ROUTE_CLIENTS)
+
+
+def test_route_checker_finds_routes_without_clients_and_wrong_marks(tmp_path: Path) -> None:
+    src = plant(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/api/__init__.py": "",
+            "pkg/api/routes.py": (
+                "A = _post('/a', In, Out, 'a', 'sent')\n"
+                "B = _get('/b', Out, 'b', 'read by people', server_only=True)\n"
+                "C = _post('/c', In, Out, 'c', 'served, never sent')\n"
+                "D: Route[str] = Route(method='GET', path='/d', handler='d', summary='s', server_only=True)\n"
+                "E = _post('/e', In, Out, 'e', 'not in the table')\n"
+                "POSTS = (A, C)\n"
+                "GETS = (B, D)\n"
+                "ROUTES = POSTS + GETS\n"
+            ),
+            "pkg/store/__init__.py": "",
+            "pkg/store/http/__init__.py": "",
+            "pkg/store/http/ops.py": "from ...api import routes\nfrom pkg.api.routes import D\nroutes.A\nD\n",
+            "pkg/other.py": "from pkg.api import routes\nroutes.C\n",  # not a client
+        },
+    )
+    assert route_client_report(src, "pkg", table="pkg.api.routes", clients="pkg.store.http") == [
+        "pkg/api/routes.py:3: C (POST /c) has no call in pkg.store.http: add one, or mark it server_only=True",
+        "pkg/api/routes.py:4: D (GET /d) is marked server_only, but pkg.store.http sends it",
+    ]

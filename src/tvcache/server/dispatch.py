@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from ..api.errors import METHOD_NOT_ALLOWED, NOT_FOUND, VALIDATION, ErrorCode, code_of, error_body
+from ..api.params import parse_query, query_values
 from ..api.routes import ROUTES, Route
 from ..api.routes import route as find_route
 from ..errors import InvalidInput
@@ -84,7 +85,7 @@ def _refusal_of(error: Exception) -> Reply:
     return answer
 
 
-def encode(route: Route, result: Any) -> Reply:
+def encode(route: Route[Any], result: Any) -> Reply:
     if isinstance(result, BaseModel):
         return Reply(200, result.model_dump_json().encode())
     if isinstance(result, str):
@@ -110,10 +111,12 @@ class Dispatcher:
             if handler is not None:
                 self.handlers[(route.method, route.path)] = handler
 
-    def served(self) -> list[Route]:
+    def served(self) -> list[Route[Any]]:
         return [route for route in ROUTES if (route.method, route.path) in self.handlers]
 
-    def serve(self, route: Route, body: bytes | None, params: Mapping[str, str]) -> Reply | Coroutine[Any, Any, Reply]:
+    def serve(
+        self, route: Route[Any], body: bytes | None, params: Mapping[str, str]
+    ) -> Reply | Coroutine[Any, Any, Reply]:
         """Serve ``route``: the body validated by its model (a POST) or its query parameters (a GET). The answer,
         or for an async handler (``/v1/claim/wait``) a coroutine of it: the hot path (``hot``) serves sync
         handlers' routes in place."""
@@ -132,22 +135,22 @@ class Dispatcher:
         except Exception as error:
             return _refusal_of(error)
 
-    async def answer(self, route: Route, body: bytes | None, params: Mapping[str, str]) -> Reply:
+    async def answer(self, route: Route[Any], body: bytes | None, params: Mapping[str, str]) -> Reply:
         reply = self.serve(route, body, params)
         return reply if isinstance(reply, Reply) else await reply
 
-    async def _finish(self, route: Route, pending: Coroutine[Any, Any, Any], started: float) -> Reply:
+    async def _finish(self, route: Route[Any], pending: Coroutine[Any, Any, Any], started: float) -> Reply:
         try:
             return self._encoded(route, await pending, started)
         except Exception as error:
             return _refusal_of(error)
 
-    def _encoded(self, route: Route, result: Any, started: float) -> Reply:
+    def _encoded(self, route: Route[Any], result: Any, started: float) -> Reply:
         if route.timed:
             self.latency.observe(route.path, time.perf_counter() - started)
         return encode(route, result)
 
-    def is_async(self, route: Route) -> bool:
+    def is_async(self, route: Route[Any]) -> bool:
         """Whether ``route``'s handler is a coroutine function (its answer waits on the event loop)."""
         return inspect.iscoroutinefunction(self.handlers[(route.method, route.path)])
 
@@ -161,8 +164,8 @@ class Dispatcher:
         return refused(NOT_FOUND, f"no route {method} {path}")
 
     @staticmethod
-    def _query(route: Route, params: Mapping[str, str]) -> dict[str, Any]:
+    def _query(route: Route[Any], params: Mapping[str, str]) -> dict[str, Any]:
         try:
-            return {param.name: param.parse(params) for param in route.query}
+            return parse_query(query_values(params), route.query)
         except InvalidInput as error:
             raise Refused(VALIDATION, str(error)) from error
