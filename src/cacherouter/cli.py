@@ -13,19 +13,19 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .endpoint import MAIN_PREFIX, ROUTER_PREFIX
+from .channels.mainview import MainView
+from .channels.relevance import RANKERS, SCORERS, make_ranker
+from .channels.router import RouterConfig
 from .errors import CacheRouterError, ConfigError
-from .mainview import MainView
-from .registry import build_registry, script_schema
-from .relevance import RANKERS, SCORERS, make_ranker
-from .router import RouterConfig
-from .usage import PROVIDERS
+from .models.endpoint import MAIN_PREFIX, ROUTER_PREFIX
+from .models.usage import PROVIDERS
+from .tools.registry import build_registry, script_schema
 
 if TYPE_CHECKING:
-    from .chat import ChatSetup
     from .evaluation.runner import RunResult
-    from .gateway import Gateway
-    from .tokens import Tokenizer
+    from .frontends.chat import ChatSetup
+    from .models.tokens import Tokenizer
+    from .tools.gateway import Gateway
 
 DEFAULT_PACKAGES = ("base", "geography", "internet")
 EVAL_WORKLOADS = ("suite", "dialogue", "longtail", "dialogue-211", "mcp")
@@ -103,12 +103,12 @@ def _pct(value: float | None) -> str:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from .evaluation.runner import ARCHITECTURES, results_json, run_all
-    from .tokens import default_tokenizer
+    from .models.tokens import default_tokenizer
 
     json_path = _output_path(args.json, "--json") if args.json else None  # before the run, not after it
     # The suite breaks a tool script on purpose; the gateway's warning about it is expected here, not news.
-    logging.getLogger("cacherouter.gateway").setLevel(logging.ERROR)
-    logging.getLogger("cacherouter.mcp_upstream").setLevel(logging.ERROR)
+    logging.getLogger("cacherouter.tools.gateway").setLevel(logging.ERROR)
+    logging.getLogger("cacherouter.tools.upstream_hub").setLevel(logging.ERROR)
     tokenizer = default_tokenizer()
     ranker = make_ranker(RouterConfig().ranker).name  # what the router's "auto" default resolves to here
     workloads = list(args.workloads or EVAL_WORKLOADS)
@@ -239,8 +239,8 @@ def _cmd_serve_mcp(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from .gateway import Gateway, GatewayConfig
-    from .mcp_server import serve_stdio  # needs the 'mcp' extra; the import says so when it is missing
+    from .mcp_servers.registry_server import serve_stdio  # needs the 'mcp' extra; the import says so when it is missing
+    from .tools.gateway import Gateway, GatewayConfig
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)  # stdout carries the protocol
     if args.repo is None and args.upstreams is None:
@@ -265,7 +265,12 @@ def _cmd_serve_mcp(args: argparse.Namespace) -> int:
         if args.upstreams is None:
             asyncio.run(serve_stdio(gateway, max_concurrent_calls=args.max_concurrent_calls))
             return 0
-        from .mcp_gateway import RoutingMCPServer, router_model_from_env, serve_gateway_http, serve_gateway_stdio
+        from .mcp_servers.routing_server import (
+            RoutingMCPServer,
+            router_model_from_env,
+            serve_gateway_http,
+            serve_gateway_stdio,
+        )
 
         server = RoutingMCPServer(
             gateway,
@@ -300,8 +305,8 @@ def _cmd_serve_mcp(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from .chat import run_chat
-    from .session import ChatSession
+    from .channels.conversation import ChatSession
+    from .frontends.chat import run_chat
 
     sessions_dir = _sessions_dir(args.sessions_dir) if args.sessions_dir else None
     if args.session and sessions_dir is None:
@@ -318,7 +323,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_web(args: argparse.Namespace) -> int:
-    from .web import LOOPBACK_NAMES, WebChat, create_app
+    from .frontends.web import LOOPBACK_NAMES, WebChat, create_app
 
     try:
         import uvicorn
@@ -379,7 +384,7 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
 def _started_gateway(args: argparse.Namespace) -> Iterator[Gateway]:
     """The gateway over --repo (and --upstreams' MCP servers), hot-reloading while the chat runs: their tools
     join the long tail, reached through the router, and a session's main view never changes."""
-    from .gateway import Gateway, GatewayConfig
+    from .tools.gateway import Gateway, GatewayConfig
 
     repo = Path(args.repo) if args.repo else _default_repo()
     upstreams = Path(args.upstreams) if args.upstreams else None
@@ -400,7 +405,7 @@ def _new_view(gateway: Gateway, args: argparse.Namespace) -> MainView:
 
 
 def _build_setup(args: argparse.Namespace, gateway: Gateway, view: MainView, sessions_dir: Path | None) -> ChatSetup:
-    from .chat import build_chat
+    from .frontends.chat import build_chat
 
     if args.top_k < 1 or args.tool_timeout <= 0:
         raise ConfigError("--top-k must be at least 1 and --tool-timeout more than 0 seconds")
@@ -587,7 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-concurrent-calls",
         type=_at_least_one,
-        default=16,  # mcp_server.DEFAULT_MAX_CONCURRENT_CALLS, not imported here: the mcp extra is optional
+        default=16,  # registry_server.DEFAULT_MAX_CONCURRENT_CALLS, not imported here: the mcp extra is optional
         help="tool runs at once; more calls wait, while the protocol keeps answering (default: 16)",
     )
     serve.add_argument("--allow-reflection", action="store_true", help="allow reflection fallback")

@@ -25,9 +25,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .canonical import canonical_json
-from .errors import ConfigError, ModelError
-from .models import THINK_BLOCK, ChatRequest, ChatResponse, ChatToolCall
+from ..canonical import canonical_json
+from ..errors import ConfigError, ModelError
+from .base import THINK_BLOCK, ChatRequest, ChatResponse, ChatToolCall
 from .usage import normalize_provider
 
 MAIN_PREFIX = "CACHEROUTER_MAIN"
