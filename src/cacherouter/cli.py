@@ -9,9 +9,9 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from .channels.mainview import MainView
 from .channels.relevance import RANKERS, SCORERS, make_ranker
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from .frontends.chat import ChatSetup
     from .models.tokens import Tokenizer
     from .tools.gateway import Gateway
+
+_N = TypeVar("_N", int, float)  # what a checked number option holds
 
 DEFAULT_PACKAGES = ("base", "geography", "internet")
 EVAL_WORKLOADS = ("suite", "dialogue", "longtail", "dialogue-211", "mcp")
@@ -443,37 +445,29 @@ def _default_repo() -> Path:
     return EVAL_REPO
 
 
-def _positive_seconds(text: str) -> float:
-    """An argparse type: a number of seconds more than 0 (0 would make a poll loop spin, a timeout fire at once)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 < value < math.inf:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds more than 0, got {text}")
-    return value
+def _checked(
+    convert: Callable[[str], _N], expected: str, accept: Callable[[_N], bool], must: str
+) -> Callable[[str], _N]:
+    """An argparse type: ``convert`` the text (else "expected ..."), then ``accept`` the value (else "must be ...")."""
+
+    def parse(text: str) -> _N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {text}")
+        return value
+
+    return parse
 
 
-def _port(text: str) -> int:
-    """An argparse type: a TCP port, 0 (any free port) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text}")
-    return value
-
-
-def _at_least_one(text: str) -> int:
-    """An argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
+# Seconds more than 0 (0 would make a poll loop spin, a timeout fire at once); the range check also refuses nan.
+_positive_seconds = _checked(
+    float, "a number of seconds", lambda value: 0 < value < math.inf, "a finite number of seconds more than 0"
+)
+_port = _checked(int, "a port number", lambda value: 0 <= value <= 65535, "a port from 0 to 65535")  # 0: any free
+_at_least_one = _checked(int, "a whole number", lambda value: value >= 1, "at least 1")
 
 
 def _add_agent_options(parser: argparse.ArgumentParser) -> None:

@@ -327,22 +327,20 @@ class _WatchedHTTPSConnection(_WatchedHTTPConnection, http.client.HTTPSConnectio
     pass
 
 
-class _WatchedHTTPHandler(urllib.request.HTTPHandler):
-    """urllib's handler (so proxies from the environment still apply) on connections the watchdog can stop."""
+class _Watched:
+    """urllib's handlers (so proxies from the environment still apply) on connections the watchdog can stop."""
 
     def __init__(self, watchdog: _Watchdog) -> None:
         super().__init__()
         self._watchdog = watchdog
 
+
+class _WatchedHTTPHandler(_Watched, urllib.request.HTTPHandler):
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(_WatchedHTTPConnection, req, watchdog=self._watchdog)
 
 
-class _WatchedHTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, watchdog: _Watchdog) -> None:
-        super().__init__()
-        self._watchdog = watchdog
-
+class _WatchedHTTPSHandler(_Watched, urllib.request.HTTPSHandler):
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(_WatchedHTTPSConnection, req, watchdog=self._watchdog)
 
