@@ -651,4 +651,142 @@ def test_route_checker_finds_routes_without_clients_and_wrong_marks(tmp_path: Pa
     assert route_client_report(src, "pkg", table="pkg.api.routes", clients="pkg.store.http") == [
         "pkg/api/routes.py:3: C (POST /c) has no call in pkg.store.http: add one, or mark it server_only=True",
         "pkg/api/routes.py:4: D (GET /d) is marked server_only, but pkg.store.http sends it",
+
+
+# ----- cacherouter layering
+#
+# cacherouter's subpackages, bottom up. Each layer may import only the layers in its row (its own included); the
+# front ends, the MCP servers, the proxy and the evaluation sit on the channels and never on each other, except that
+# the evaluation drives workloads through the proxy (``eval --via-proxy``). ``cli`` and the package's ``__init__``
+# (the public re-exports) stand above everything. A module in no layer -- a new flat module, a new subpackage -- is
+# reported too, so that its place is decided here, not by accident. Every import counts, lazy and type-only ones
+# included (a lazy import is still the dependency; it only moves the failure to run time). cacherouter and tvcache
+# share no module, in either direction.
+
+CACHEROUTER = "cacherouter"
+CACHEROUTER_GROUND = frozenset({"cacherouter.errors", "cacherouter.canonical", "cacherouter.prompts"})
+CACHEROUTER_TOP = frozenset({"cacherouter", "cacherouter.cli"})
+_BELOW_CHANNELS = frozenset({"ground", "tools", "models"})
+_UP_TO_CHANNELS = _BELOW_CHANNELS | {"channels"}
+CACHEROUTER_LAYERS: dict[str, frozenset[str]] = {
+    "ground": frozenset({"ground"}),  # errors, canonical bytes, the fixed prompt texts and pseudo-tool names
+    "tools": frozenset({"ground", "tools"}),  # the tool repository, MCP upstreams as sources, the Gateway
+    "models": frozenset({"ground", "models"}),  # chat models, the offline prompt cache, usage and accounting
+    "channels": _UP_TO_CHANNELS,  # the main view, the agent, the router, relevance, conversations
+    "mcp_servers": _UP_TO_CHANNELS | {"mcp_servers"},  # serve-mcp
+    "proxy": _UP_TO_CHANNELS | {"proxy"},  # the OpenAI/Anthropic API proxy
+    "frontends": _UP_TO_CHANNELS | {"frontends"},  # chat, web
+    "evaluation": _UP_TO_CHANNELS | {"proxy", "evaluation"},  # the offline evaluation
+    "top": frozenset(
+        {"ground", "tools", "models", "channels", "mcp_servers", "proxy", "frontends", "evaluation", "top"}
+    ),
+}
+SEPARATE_ROOTS = frozenset({"tvcache", "cacherouter"})
+# The one import between the roots there is, pinned so that no other joins it: ``eval --via-proxy`` serves the
+# stand-in provider and the proxy with tvcache's ``AppThread`` (uvicorn on a free port in a thread), lazily.
+KNOWN_CROSSINGS = {("cacherouter.evaluation.via_proxy", "tvcache.server.runner")}
+
+
+def cacherouter_layer(module: str) -> str | None:
+    """The layer of a cacherouter module (a subpackage's name, ``ground`` or ``top``), or None when it has none."""
+    if module in CACHEROUTER_TOP:
+        return "top"
+    if module in CACHEROUTER_GROUND:
+        return "ground"
+    parts = module.split(".")
+    if parts[0] == CACHEROUTER and len(parts) > 1 and parts[1] in CACHEROUTER_LAYERS.keys() - {"ground", "top"}:
+        return parts[1]
+    return None
+
+
+def layering_report(tree: Tree) -> list[str]:
+    """cacherouter modules in no layer, imports against ``CACHEROUTER_LAYERS``, and imports between the roots."""
+    report = [
+        f"{module.where(1)}: {name} is in no layer of CACHEROUTER_LAYERS"
+        for name, module in sorted(tree.modules.items())
+        if name.split(".")[0] == CACHEROUTER and cacherouter_layer(name) is None
+    ]
+    for (source, target), sites in sorted(tree.edges.items()):
+        where = ", ".join(tree.modules[source].where(line) for line in sorted(set(sites)))
+        source_root, target_root = source.split(".")[0], target.split(".")[0]
+        if source_root != target_root and {source_root, target_root} <= SEPARATE_ROOTS:
+            if any(source == known and _inside(module, target) for known, module in KNOWN_CROSSINGS):
+                continue  # the pinned crossing, and the packages on its way
+            report.append(f"{where}: {source} imports {target}: {source_root} and {target_root} share no module")
+            continue
+        if source_root != CACHEROUTER or target_root != CACHEROUTER:
+            continue
+        source_layer, target_layer = cacherouter_layer(source), cacherouter_layer(target)
+        if source_layer is None or target_layer is None:
+            continue  # reported above
+        if target_layer not in CACHEROUTER_LAYERS[source_layer]:
+            report.append(f"{where}: {source} ({source_layer}) imports {target} ({target_layer})")
+    return report
+
+
+def test_cacherouter_keeps_its_layers() -> None:
+    report = layering_report(build(SRC, ROOTS))
+    assert not report, f"{len(report)} import(s) against cacherouter's layering:\n" + "\n".join(report)
+
+
+def test_the_layering_check_sees_every_cacherouter_subpackage() -> None:
+    tree = build(SRC, ROOTS)
+    subpackages = {path.name for path in (SRC / CACHEROUTER).iterdir() if (path / "__init__.py").is_file()}
+    assert subpackages == CACHEROUTER_LAYERS.keys() - {"ground", "top"}
+    assert {cacherouter_layer(name) for name in tree.modules if name.startswith("cacherouter")} == set(
+        CACHEROUTER_LAYERS
+    )
+    assert ("cacherouter.channels.agent", "cacherouter.tools.gateway") in tree.edges  # channels on tools
+    assert ("cacherouter.evaluation.via_proxy", "cacherouter.proxy") in tree.edges  # a lazy import counts
+
+
+def test_layering_check_finds_imports_against_the_layers(tmp_path: Path) -> None:
+    src = plant(
+        tmp_path,
+        {
+            "cacherouter/__init__.py": "from .tools.registry import Registry\n",
+            "cacherouter/errors.py": "",
+            "cacherouter/cli.py": "def main():\n    from .frontends.chat import run\n",
+            "cacherouter/stray.py": "",
+            "cacherouter/tools/__init__.py": "",
+            "cacherouter/tools/registry.py": "from ..errors import E\ndef f():\n    from ..channels.router import R\n",
+            "cacherouter/models/__init__.py": "",
+            "cacherouter/models/base.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cacherouter.frontends.chat import C\n"
+            ),
+            "cacherouter/channels/__init__.py": "",
+            "cacherouter/channels/router.py": "from ..tools.registry import Registry\nfrom ..models import base\n",
+            "cacherouter/frontends/__init__.py": "",
+            "cacherouter/frontends/chat.py": "from ..channels.router import R\nfrom ..proxy.app import P\n",
+            "cacherouter/proxy/__init__.py": "",
+            "cacherouter/proxy/app.py": "import tvcache.cache\nfrom ..channels import router\n",
+            "cacherouter/evaluation/__init__.py": "",
+            "cacherouter/evaluation/via_proxy.py": "from tvcache.server.runner import AppThread\n",
+            "cacherouter/evaluation/runner.py": "from tvcache.server.runner import AppThread\n",
+            "tvcache/server/__init__.py": "",
+            "tvcache/server/runner.py": "",
+            "tvcache/__init__.py": "",
+            "tvcache/cache.py": "import importlib\nimportlib.import_module('cacherouter.errors')\n",
+        },
+    )
+    assert layering_report(build(src, ["tvcache", "cacherouter"])) == [
+        "cacherouter/stray.py:1: cacherouter.stray is in no layer of CACHEROUTER_LAYERS",
+        "cacherouter/evaluation/runner.py:1: cacherouter.evaluation.runner imports tvcache: cacherouter and tvcache "
+        "share no module",
+        "cacherouter/evaluation/runner.py:1: cacherouter.evaluation.runner imports tvcache.server: cacherouter and "
+        "tvcache share no module",
+        "cacherouter/evaluation/runner.py:1: cacherouter.evaluation.runner imports tvcache.server.runner: cacherouter "
+        "and tvcache share no module",
+        "cacherouter/frontends/chat.py:2: cacherouter.frontends.chat (frontends) imports cacherouter.proxy (proxy)",
+        "cacherouter/frontends/chat.py:2: cacherouter.frontends.chat (frontends) imports cacherouter.proxy.app (proxy)",
+        "cacherouter/models/base.py:3: cacherouter.models.base (models) imports cacherouter.frontends (frontends)",
+        "cacherouter/models/base.py:3: cacherouter.models.base (models) imports cacherouter.frontends.chat (frontends)",
+        "cacherouter/proxy/app.py:1: cacherouter.proxy.app imports tvcache: cacherouter and tvcache share no module",
+        "cacherouter/proxy/app.py:1: cacherouter.proxy.app imports tvcache.cache: cacherouter and tvcache share no "
+        "module",
+        "cacherouter/tools/registry.py:3: cacherouter.tools.registry (tools) imports cacherouter.channels (channels)",
+        "cacherouter/tools/registry.py:3: cacherouter.tools.registry (tools) imports cacherouter.channels.router "
+        "(channels)",
+        "tvcache/cache.py:2: tvcache.cache imports cacherouter: tvcache and cacherouter share no module",
+        "tvcache/cache.py:2: tvcache.cache imports cacherouter.errors: tvcache and cacherouter share no module",
     ]

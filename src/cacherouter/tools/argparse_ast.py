@@ -11,7 +11,7 @@ parser passed in from elsewhere, with ``*args``/``**kwargs``, sub-commands, pare
 both take arguments, one name bound to several parsers, ``add_argument`` under a condition the parser does not
 share, a non-default ``prefix_chars``, a computed ``set_defaults`` — yields :class:`Extraction` with a
 ``dynamic_reason``. The caller then reports the script
-or, only if explicitly allowed, falls back to :mod:`cacherouter.reflection`.
+or, only if explicitly allowed, falls back to :mod:`cacherouter.tools.reflection`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .errors import SchemaError
+from ..errors import SchemaError
 from .schema import Action, ArgumentSpec, JsonType, ScriptSchema
 
 _TYPE_NAMES: dict[str, JsonType] = {"int": "integer", "float": "number", "str": "string"}

@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .canonical import canonical_json
-from .errors import ConfigError
+from ..canonical import canonical_json
+from ..errors import ConfigError
 from .tokens import Tokenizer
 
 _MOD = (1 << 61) - 1

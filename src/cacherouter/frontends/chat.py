@@ -2,8 +2,8 @@
 
 With a real model, the main and router models are OpenAI-compatible endpoints configured by the
 ``CACHEROUTER_MAIN_*`` / ``CACHEROUTER_ROUTER_*`` environment variables (see
-:class:`~cacherouter.endpoint.EndpointConfig`), and the cache figures printed after each turn are what the provider
-reported in its usage fields.
+:class:`~cacherouter.models.endpoint.EndpointConfig`), and the cache figures printed after each turn are what the
+provider reported in its usage fields.
 
 With ``--scripted`` no network is used: a rule-based stand-in plays both models (it always routes the whole message
 through ``INTERNAL_ROUTER``; the router picks the top candidate and fills its arguments from ``key=value`` words in
@@ -24,14 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from .accounting import Ledger, RecordingModel, RequestRecord
-from .agent import Agent, AgentConfig
-from .cachemodel import DeepSeekCacheModel
-from .endpoint import MAIN_PREFIX, ROUTER_PREFIX, EndpointConfig, OpenAICompatibleModel
-from .errors import CacheRouterError
-from .gateway import Gateway
-from .mainview import MainView
-from .models import (
+from ..channels.agent import Agent, AgentConfig
+from ..channels.conversation import ChatSession
+from ..channels.mainview import MainView
+from ..channels.router import Router, RouterConfig
+from ..errors import CacheRouterError
+from ..models.accounting import Ledger, RecordingModel, RequestRecord
+from ..models.base import (
     ChatModel,
     ChatRequest,
     ChatResponse,
@@ -39,9 +38,10 @@ from .models import (
     ScriptedModel,
     SimulatedProvider,
 )
-from .prompts import DIRECT_ANSWER, NEED_TOOLS, ROUTER_TOOL
-from .router import Router, RouterConfig
-from .session import ChatSession
+from ..models.endpoint import MAIN_PREFIX, ROUTER_PREFIX, EndpointConfig, OpenAICompatibleModel
+from ..models.prompt_cache import DeepSeekCacheModel
+from ..prompts import DIRECT_ANSWER, NEED_TOOLS, ROUTER_TOOL
+from ..tools.gateway import Gateway
 
 COST_NOTE = (
     "(input cost is relative: 1.0 = one uncached input token at the provider's own cache discount; "

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 # Usage-field dialects. vllm and sglang read the OpenAI-style fields; they are named so that a self-hosted server
 # is not mistaken for OpenAI when pricing requests (see accounting.pricing_for).

@@ -27,17 +27,16 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
-import signal
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, cast
 
-from .errors import ArgumentError, CacheRouterError, ConfigError
-from .executor import Cancellation, kill_running
-from .gateway import Gateway
-from .registry import Registry
+from ..errors import ArgumentError, CacheRouterError, ConfigError
+from ..tools.executor import Cancellation, ScriptResult, kill_running
+from ..tools.gateway import Gateway
+from ..tools.registry import Registry
+from .serving import error_result, exit_on_signals, script_result
 
 try:
     import anyio
@@ -60,7 +59,7 @@ DEFAULT_MAX_CONCURRENT_CALLS = 16
 
 
 class GatewayMCPServer:
-    """An MCP server (``self.server``) over a :class:`~cacherouter.gateway.Gateway`.
+    """An MCP server (``self.server``) over a :class:`~cacherouter.tools.gateway.Gateway`.
 
     One instance serves any number of connections; ``notify_changed`` reaches all of them. At most
     ``max_concurrent_calls`` tools run at once, across connections.
@@ -143,19 +142,10 @@ class GatewayMCPServer:
             cancel.cancel()
             raise
         except ArgumentError as e:  # the model's arguments do not fit: a result it can correct, not a crash
-            return _error_result(f"invalid arguments for {params.name}: {e}")
+            return error_result(f"invalid arguments for {params.name}: {e}")
         except CacheRouterError as e:
-            return _error_result(f"{params.name} could not be run: {e}")
-        payload = result.to_json()
-        stdout = payload.pop("stdout")  # with the truncation marker, if any
-        text = stdout if result.ok else payload.get("error", "") + ("\n" + stdout if stdout else "")
-        return types.CallToolResult(
-            content=[types.TextContent(type="text", text=text)],
-            # Status, exit code and flags, and stderr (the text shows its last line at most); not stdout, which
-            # the text content already carries: clients that pass both to the model would pay for it twice.
-            structured_content=payload,
-            is_error=not result.ok,
-        )
+            return error_result(f"{params.name} could not be run: {e}")
+        return script_result(cast(ScriptResult, result))  # a --repo gateway has no upstreams: always a script run
 
     def _on_swap(self, registry: Registry) -> None:
         """Gateway listener (runs on the poller's thread): schedule the notification on the server's loop.
@@ -184,58 +174,18 @@ class GatewayMCPServer:
         self.notifications_sent += 1
 
 
-def _error_result(message: str) -> types.CallToolResult:
-    return types.CallToolResult(content=[types.TextContent(type="text", text=message)], is_error=True)
-
-
 async def serve_stdio(gateway: Gateway, *, max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS) -> None:
     """Serve ``gateway`` on stdin/stdout until the client disconnects; the gateway polls in the background.
 
     When it returns, no tool this process started is left running. SIGINT and SIGTERM kill the running tools
-    and then the process (:func:`_exit_on_signals`).
+    and then the process (:func:`exit_on_signals`).
     """
     mcp_server = GatewayMCPServer(gateway, max_concurrent_calls=max_concurrent_calls)
     gateway.start()
     try:
-        with _exit_on_signals():
+        with exit_on_signals():
             async with stdio_server() as (read_stream, write_stream):
                 await mcp_server.server.run(read_stream, write_stream, mcp_server.initialization_options())
     finally:
         kill_running()  # whatever ended the serving, no tool outlives it
         gateway.close()
-
-
-@contextlib.contextmanager
-def _exit_on_signals(also: Callable[[], object] | None = None) -> Iterator[None]:
-    """On SIGINT or SIGTERM, kill every running tool's process group (and run ``also``), then let the signal end
-    the process.
-
-    Ending the process rather than unwinding the server: the SDK's stdio transport reads stdin in a worker thread
-    that cancellation does not reach, so a server asked to stop while its client holds stdin open would hang
-    until the client writes or hangs up. Only the main thread can handle signals; elsewhere this does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for signum in signals:
-        loop.add_signal_handler(signum, _exit_by_signal, signum, also)
-    try:
-        yield
-    finally:
-        for signum in signals:
-            loop.remove_signal_handler(signum)
-
-
-def _exit_by_signal(signum: int, also: Callable[[], object] | None = None) -> None:
-    # Runs on the event loop (asyncio's signal handling), not in a signal handler: kill_running may take a lock.
-    stopped = kill_running()
-    logger.warning("%s: killed %d running tool(s); exiting", signal.Signals(signum).name, stopped)
-    if also is not None:
-        try:
-            also()
-        except Exception:  # the process ends by the signal whatever happens here
-            logger.exception("stopping on %s failed", signal.Signals(signum).name)
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)  # die of the signal, as the sender expects

@@ -23,15 +23,16 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from .canonical import canonical_json
-from .errors import ConfigError, ModelError
-from .models import THINK_BLOCK, ChatRequest, ChatResponse, ChatToolCall
+from ..canonical import canonical_json
+from ..errors import ConfigError, ModelError
+from .base import THINK_BLOCK, ChatRequest, ChatResponse, ChatToolCall
 from .usage import normalize_provider
 
 MAIN_PREFIX = "CACHEROUTER_MAIN"
 ROUTER_PREFIX = "CACHEROUTER_ROUTER"
+_N = TypeVar("_N", int, float)  # what a numeric setting holds
 # Answers a later attempt may get right (rate limit, overload, gateway trouble). A 4xx other than 429 never is.
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
@@ -105,23 +106,23 @@ def _check_base_url(url: str, variable: str) -> None:
 
 
 def _seconds(text: str, variable: str) -> float:
-    message = f"{variable} must be a finite number of seconds above 0, got {text!r}"
-    try:
-        value = float(text)
-    except ValueError as e:
-        raise ConfigError(message) from e
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(message)
-    return value
+    return _number(
+        text, variable, float, lambda value: math.isfinite(value) and value > 0, "a finite number of seconds above 0"
+    )
 
 
 def _count(text: str, variable: str) -> int:
-    message = f"{variable} must be a whole number, 0 or more, got {text!r}"
+    return _number(text, variable, int, lambda value: value >= 0, "a whole number, 0 or more")
+
+
+def _number(text: str, variable: str, convert: Callable[[str], _N], accept: Callable[[_N], bool], must: str) -> _N:
+    """The setting ``variable`` (``text``) read by ``convert`` and ``accept``-ed, else "... must be ``must``"."""
+    message = f"{variable} must be {must}, got {text!r}"
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError as e:
         raise ConfigError(message) from e
-    if value < 0:
+    if not accept(value):
         raise ConfigError(message)
     return value
 
@@ -327,22 +328,20 @@ class _WatchedHTTPSConnection(_WatchedHTTPConnection, http.client.HTTPSConnectio
     pass
 
 
-class _WatchedHTTPHandler(urllib.request.HTTPHandler):
-    """urllib's handler (so proxies from the environment still apply) on connections the watchdog can stop."""
+class _Watched:
+    """urllib's handlers (so proxies from the environment still apply) on connections the watchdog can stop."""
 
     def __init__(self, watchdog: _Watchdog) -> None:
         super().__init__()
         self._watchdog = watchdog
 
+
+class _WatchedHTTPHandler(_Watched, urllib.request.HTTPHandler):
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(_WatchedHTTPConnection, req, watchdog=self._watchdog)
 
 
-class _WatchedHTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, watchdog: _Watchdog) -> None:
-        super().__init__()
-        self._watchdog = watchdog
-
+class _WatchedHTTPSHandler(_Watched, urllib.request.HTTPSHandler):
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(_WatchedHTTPSConnection, req, watchdog=self._watchdog)
 

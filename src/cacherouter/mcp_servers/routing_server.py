@@ -51,17 +51,17 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from .canonical import canonical_json
-from .errors import ArgumentError, CacheRouterError, ConfigError
-from .executor import Cancellation, ScriptResult, kill_running
-from .gateway import Gateway
-from .mcp_server import _exit_on_signals
-from .mcp_upstream import UpstreamResult, stop_upstream_processes
-from .models import ChatModel
-from .prompts import ROUTER_TOOL, router_tool_definition
-from .registry import RegisteredTool
-from .relevance import make_ranker
-from .router import Router, RouterConfig, filter_candidates
+from ..canonical import canonical_json
+from ..channels.relevance import make_ranker
+from ..channels.router import Router, RouterConfig, filter_candidates
+from ..errors import ArgumentError, CacheRouterError, ConfigError
+from ..models.base import ChatModel
+from ..prompts import ROUTER_TOOL, router_tool_definition
+from ..tools.executor import Cancellation, kill_running
+from ..tools.gateway import Gateway
+from ..tools.registry import RegisteredTool
+from ..tools.upstream_hub import UpstreamResult, stop_upstream_processes
+from .serving import error_result, exit_on_signals, script_result
 
 try:
     import anyio
@@ -126,7 +126,7 @@ def router_model_from_env(env: dict[str, str] | None = None) -> ChatModel | None
     Only ``CACHEROUTER_ROUTER_BASE_URL`` switches it on: the gateway's client brings its own main model, so
     nothing is borrowed from ``CACHEROUTER_MAIN_*`` here.
     """
-    from .endpoint import ROUTER_PREFIX, EndpointConfig, OpenAICompatibleModel
+    from ..models.endpoint import ROUTER_PREFIX, EndpointConfig, OpenAICompatibleModel
 
     source = os.environ if env is None else env
     if not source.get(f"{ROUTER_PREFIX}_BASE_URL"):
@@ -288,7 +288,7 @@ class RoutingMCPServer:
             raise MCPError(types.INVALID_PARAMS, f"Unknown tool: {params.name}; this gateway lists its tools")
         problem = _check_arguments(arguments, self._router_entry["inputSchema"])
         if problem is not None:
-            return _error(f"{ROUTER_TOOL}: {problem}")
+            return error_result(f"{ROUTER_TOOL}: {problem}")
         if self.router is None:
             return await self._retrieve(arguments)
         return await self._route(arguments)
@@ -296,23 +296,27 @@ class RoutingMCPServer:
     async def _retrieve(self, arguments: dict[str, Any]) -> types.CallToolResult:
         if "tool" in arguments and ("task" in arguments or "hint" in arguments):
             given = ", ".join(repr(key) for key in ("task", "hint") if key in arguments)
-            return _error(
+            return error_result(
                 f"{ROUTER_TOOL}: 'tool' runs a tool and 'task' finds tools: give one of them, not both (got 'tool' "
                 f"and {given})"
             )
         if "arguments" in arguments and "tool" not in arguments:
-            return _error(f"{ROUTER_TOOL}: 'arguments' go with 'tool' (the tool to run); 'tool' is missing")
+            return error_result(f"{ROUTER_TOOL}: 'arguments' go with 'tool' (the tool to run); 'tool' is missing")
         if "tool" in arguments:
             tool = arguments["tool"]
             if not tool:
-                return _error(f"{ROUTER_TOOL}: 'tool' is empty; give a tool name from an earlier answer")
+                return error_result(f"{ROUTER_TOOL}: 'tool' is empty; give a tool name from an earlier answer")
             if tool not in self.gateway.registry.tools:
-                return _error(f"{ROUTER_TOOL}: no tool {tool!r} is registered (now); call with a task to find tools")
+                return error_result(
+                    f"{ROUTER_TOOL}: no tool {tool!r} is registered (now); call with a task to find tools"
+                )
             chosen = arguments.get("arguments", {})
             return await self._run(tool, chosen, route={"tool": tool, "mode": DETERMINISTIC_LABEL})
         task = arguments.get("task")
         if not isinstance(task, str) or not task.strip():
-            return _error(f"{ROUTER_TOOL}: give a 'task' to find tools, or a 'tool' and its 'arguments' to run one")
+            return error_result(
+                f"{ROUTER_TOOL}: give a 'task' to find tools, or a 'tool' and its 'arguments' to run one"
+            )
         hint = arguments.get("hint", "")
         registry = self.gateway.registry
         candidates = filter_candidates(
@@ -334,7 +338,7 @@ class RoutingMCPServer:
         return types.CallToolResult(content=[types.TextContent(type="text", text=canonical_json(payload))])
 
     async def _route(self, arguments: dict[str, Any]) -> types.CallToolResult:
-        from .router import router_arguments
+        from ..channels.router import router_arguments
 
         assert self.router is not None
         task, hint = router_arguments(arguments)
@@ -344,7 +348,7 @@ class RoutingMCPServer:
                 functools.partial(router.route, task, hint=hint), abandon_on_cancel=True, limiter=self._limiter
             )
         except CacheRouterError as e:
-            return _error(f"{ROUTER_TOOL} failed: {e}")
+            return error_result(f"{ROUTER_TOOL} failed: {e}")
         result = outcome.payload.get("result")
         if outcome.tool is not None and isinstance(result, dict):  # an upstream tool ran: its own result, verbatim
             return self._verbatim(result, {"tool": outcome.tool, "mode": "router model"})
@@ -356,7 +360,7 @@ class RoutingMCPServer:
     async def _run(self, name: str, arguments: dict[str, Any], *, route: dict[str, Any]) -> types.CallToolResult:
         spec = self.gateway.registry.get(name)
         if spec is None:
-            return _error(self._gone(name))
+            return error_result(self._gone(name))
         cancel = Cancellation()
         # An upstream tool is bounded by its server's call_timeout; --tool-timeout is the scripts' limit.
         timeout = None if spec.upstream else self.config.tool_timeout
@@ -368,15 +372,15 @@ class RoutingMCPServer:
             raise
         except ArgumentError as e:
             if self.gateway.registry.get(name) is None:  # it went away between the look-up and the call
-                return _error(self._gone(name))
-            return _error(f"invalid arguments for {name}: {e}")
+                return error_result(self._gone(name))
+            return error_result(f"invalid arguments for {name}: {e}")
         except CacheRouterError as e:
-            return _error(f"{name} could not be run: {e}")
+            return error_result(f"{name} could not be run: {e}")
         if isinstance(result, UpstreamResult):
             if result.error is not None:
-                return _error(f"{name}: {result.error}")
+                return error_result(f"{name}: {result.error}")
             return self._verbatim(result.result, route)
-        return _script_result(result)
+        return script_result(result)
 
     def _gone(self, name: str) -> str:
         """Why a listed tool can no longer be called."""
@@ -405,19 +409,6 @@ class RoutingMCPServer:
             )
         except ValueError:
             return types.CallToolResult(content=[], is_error=bool(raw.get("isError")))
-
-
-def _script_result(result: ScriptResult) -> types.CallToolResult:
-    payload = result.to_json()
-    stdout = payload.pop("stdout")
-    text = stdout if result.ok else payload.get("error", "") + ("\n" + stdout if stdout else "")
-    return types.CallToolResult(
-        content=[types.TextContent(type="text", text=text)], structured_content=payload, is_error=not result.ok
-    )
-
-
-def _error(message: str) -> types.CallToolResult:
-    return types.CallToolResult(content=[types.TextContent(type="text", text=message)], is_error=True)
 
 
 def _core_entry(spec: RegisteredTool) -> dict[str, Any]:
@@ -473,7 +464,7 @@ async def _serving(server: RoutingMCPServer, serve: Callable[[], Awaitable[None]
     process in the middle of the close with the upstreams, each in its own session, left running.
     """
     server.gateway.start()
-    with _exit_on_signals(also=_stop_now):
+    with exit_on_signals(also=_stop_now):
         try:
             await serve()
         finally:
@@ -508,7 +499,7 @@ async def serve_gateway_http(
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
-            yield  # ours (_exit_on_signals) stop the tools and the upstreams, then end the process
+            yield  # ours (exit_on_signals) stop the tools and the upstreams, then end the process
 
     app = server.server.streamable_http_app(streamable_http_path=path, host=host)
     http = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))

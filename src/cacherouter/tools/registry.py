@@ -30,9 +30,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from ..errors import RegistryError, SchemaError
+from ..prompts import PLACEHOLDER_TOOL, ROUTER_TOOL
 from .argparse_ast import extract_static
-from .errors import RegistryError, SchemaError
-from .prompts import PLACEHOLDER_TOOL, ROUTER_TOOL
 from .reflection import reflect_schema
 from .schema import ScriptSchema
 
@@ -63,7 +63,7 @@ class Problem:
 class RegisteredTool:
     """One registered tool: a script (where it is, what its command line looks like) or an upstream MCP tool.
 
-    An upstream tool has no script: ``upstream`` names its server (see :mod:`cacherouter.upstreams`),
+    An upstream tool has no script: ``upstream`` names its server (see :mod:`cacherouter.tools.upstreams`),
     ``upstream_tool`` its own name there, ``declared_schema`` the input schema the server declared, as JSON
     text in the server's own member order, and ``declared_fields`` the other fields of its definition.
     """

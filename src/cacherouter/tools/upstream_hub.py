@@ -1,6 +1,6 @@
 """Connections to upstream MCP servers: their tools as registry entries, and tool calls passed through verbatim.
 
-An :class:`UpstreamHub` keeps one MCP client connection per configured server (:mod:`cacherouter.upstreams`), all
+An :class:`UpstreamHub` keeps one MCP client connection per configured server (:mod:`cacherouter.tools.upstreams`), all
 on one event loop in one background thread, and offers a synchronous face to the gateway: the current tools, a
 call, a status report, and a callback after every change. A change -- a first listing, a
 ``notifications/tools/list_changed`` (handshake era) or ``ToolsListChanged`` event (2026-07-28 ``listen``
@@ -55,8 +55,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TextIO
 
-from .canonical import canonical_json
-from .errors import ConfigError
+from ..canonical import canonical_json
+from ..errors import ConfigError
 from .executor import Cancellation
 from .registry import Limits, Problem, RegisteredTool
 from .upstreams import UpstreamConfig, check_input_schema, namespaced_name

@@ -1,4 +1,4 @@
-"""Chat models: one request/response shape, and scripted models (the HTTP client is :mod:`cacherouter.endpoint`).
+"""Chat models: one request/response shape, and scripted models (the HTTP client is :mod:`cacherouter.models.endpoint`).
 
 The tool segment travels as canonical JSON text (``ChatRequest.tools_json``) and is spliced into the HTTP body
 verbatim, so the bytes the provider receives are exactly the bytes the invariance test checks. The model's own
@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from .cachemodel import PrefixCacheModel, render_message, tokenize_request
-from .canonical import canonical_json
+from ..canonical import canonical_json
+from .prompt_cache import PrefixCacheModel, render_message, tokenize_request
 from .tokens import Tokenizer, default_tokenizer
 
 Message = dict[str, Any]

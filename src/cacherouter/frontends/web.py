@@ -30,12 +30,12 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from .accounting import Ledger, RequestRecord
+from ..channels.conversation import ChatSession
+from ..errors import CacheRouterError, ConfigError
+from ..models.accounting import Ledger, RequestRecord
+from ..models.base import Message
+from ..prompts import ROUTER_TOOL
 from .chat import MAX_MESSAGE_CHARS, SCRIPTED_LABEL, ChatSetup, known_cost, message_too_long
-from .errors import CacheRouterError, ConfigError
-from .models import Message
-from .prompts import ROUTER_TOOL
-from .session import ChatSession
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -247,7 +247,7 @@ def create_app(web: WebChat, *, host: str = "127.0.0.1") -> Starlette:
     except ImportError as e:
         raise ConfigError(_EXTRA) from e
 
-    static = resources.files("cacherouter").joinpath("web_static")
+    static = resources.files("cacherouter.frontends").joinpath("web_static")
 
     def asset(body: bytes, media_type: str) -> Any:
         async def serve(request: Request) -> Response:

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .canonical import canonical_json
-from .errors import SessionError
+from ..canonical import canonical_json
+from ..errors import SessionError
+from ..models.base import Message
 from .mainview import MainView
-from .models import Message
 
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
 UNANSWERED = "this call was not run: the model asked for it where no tool could be called"

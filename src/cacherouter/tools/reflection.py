@@ -4,7 +4,7 @@ This *runs* the script (in a child process, with a timeout, no stdin) up to the 
 parse its arguments, then dumps the parser's actions instead of parsing. That executes the script's module-level
 code, which is exactly what registration otherwise avoids, so it happens only when the caller opts in
 (``allow_reflection=True`` / ``--allow-reflection``) and never by default. Like a tool run, it gets an
-environment without the model endpoints' API keys (:func:`~cacherouter.executor.tool_environment`).
+environment without the model endpoints' API keys (:func:`~cacherouter.tools.executor.tool_environment`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import SchemaError
+from ..errors import SchemaError
 from .executor import tool_environment
 from .schema import Action, ArgumentSpec, JsonType, ScriptSchema
 

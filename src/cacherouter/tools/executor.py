@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ArgumentError, ToolExecutionError
+from ..errors import ArgumentError, ToolExecutionError
 from .schema import ArgumentSpec, ScriptSchema
 
 MAX_OUTPUT_CHARS = 20_000

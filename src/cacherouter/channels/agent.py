@@ -15,12 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .canonical import canonical_json
-from .errors import CacheRouterError, SessionError
-from .gateway import Gateway
-from .mainview import MainView
-from .models import ChatModel, ChatRequest, ChatResponse, ChatToolCall, Message
-from .prompts import (
+from ..canonical import canonical_json
+from ..errors import CacheRouterError, SessionError
+from ..models.base import ChatModel, ChatRequest, ChatResponse, ChatToolCall, Message
+from ..prompts import (
     DEEP_THINKING,
     DIRECT_ANSWER,
     FALLBACK,
@@ -32,8 +30,10 @@ from .prompts import (
     TURN_ABORTED,
     UNCERTAIN,
 )
+from ..tools.gateway import Gateway
+from .conversation import ChatSession, answer_tool_calls
+from .mainview import MainView
 from .router import Router, router_arguments
-from .session import ChatSession, answer_tool_calls
 
 # Output that reports failure although the process exited 0: the "implicit" errors.
 IMPLICIT_ERROR = re.compile(

@@ -2,19 +2,19 @@
 
 Reloading is polling, not inotify, so it works on any file system and in tests without timing games: a poll
 takes a content fingerprint of the repository, and only when it differs builds a complete new
-:class:`~cacherouter.registry.Registry` and swaps it in with one reference assignment. Readers that already hold
-the old registry keep a consistent view; a build that fails as a whole leaves the previous registry serving.
+:class:`~cacherouter.tools.registry.Registry` and swaps it in with one reference assignment. Readers that already
+hold the old registry keep a consistent view; a build that fails as a whole leaves the previous registry serving.
 
 MCP servers are registry sources too (``GatewayConfig.upstreams`` or ``upstreams_file``, see
-:mod:`cacherouter.upstreams` and :mod:`cacherouter.mcp_upstream`): their tools join the registry under namespaced
-names, and a change there (list_changed, a reconnect, a server joining or leaving, an edit of the upstreams file,
-read at each poll) ends in the same atomic swap of a whole new registry as a script edit does. On a name clash
-the tool that held the name keeps it; with no holder, the script wins.
+:mod:`cacherouter.tools.upstreams` and :mod:`cacherouter.tools.upstream_hub`): their tools join the registry under
+namespaced names, and a change there (list_changed, a reconnect, a server joining or leaving, an edit of the
+upstreams file, read at each poll) ends in the same atomic swap of a whole new registry as a script edit does. On a
+name clash the tool that held the name keeps it; with no holder, the script wins.
 
-A broken script is a :class:`~cacherouter.registry.Problem`, logged (``logging.warning``) the first poll it
+A broken script is a :class:`~cacherouter.tools.registry.Problem`, logged (``logging.warning``) the first poll it
 appears in; an unexpected error in a background poll is logged and kept in :attr:`Gateway.last_error`, and the
 polling carries on. Tools run with the environment of this process minus the model endpoints' API keys
-(:func:`~cacherouter.executor.tool_environment`), plus ``CACHEROUTER_REPO``.
+(:func:`~cacherouter.tools.executor.tool_environment`), plus ``CACHEROUTER_REPO``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from .errors import ArgumentError, CacheRouterError, ConfigError
+from ..errors import ArgumentError, CacheRouterError, ConfigError
 from .executor import Cancellation, ScriptResult, build_argv, run_script, tool_environment
 from .registry import (
     Limits,
@@ -42,7 +42,7 @@ from .registry import (
 from .upstreams import UpstreamConfig, load_upstreams
 
 if TYPE_CHECKING:
-    from .mcp_upstream import UpstreamHub, UpstreamResult, UpstreamStatus
+    from .upstream_hub import UpstreamHub, UpstreamResult, UpstreamStatus
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,7 +96,7 @@ class Gateway:
         self._upstreams_digest: str | None = None
         self.last_error: str | None = None
         if config.upstreams or config.upstreams_file is not None:
-            from .mcp_upstream import UpstreamHub  # needs the 'mcp' extra; the import says so when it is missing
+            from .upstream_hub import UpstreamHub  # needs the 'mcp' extra; the import says so when it is missing
 
             upstreams = config.upstreams
             if config.upstreams_file is not None:
@@ -265,10 +265,10 @@ class Gateway:
     ) -> ScriptResult | UpstreamResult:
         """Run tool ``name`` with ``arguments`` (a JSON object). Unknown tools and bad arguments raise.
 
-        A script runs as a subprocess (:class:`~cacherouter.executor.ScriptResult`); an upstream tool is called on
+        A script runs as a subprocess (:class:`~cacherouter.tools.executor.ScriptResult`); an upstream tool is called on
         its MCP server, with the arguments as given -- the server checks them against the schema it declared
-        (:class:`~cacherouter.mcp_upstream.UpstreamResult`). ``cancel.cancel()``, from any thread, stops the run
-        (see :class:`~cacherouter.executor.Cancellation`).
+        (:class:`~cacherouter.tools.upstream_hub.UpstreamResult`). ``cancel.cancel()``, from any thread, stops the run
+        (see :class:`~cacherouter.tools.executor.Cancellation`).
         """
         spec = self._registry.get(name)
         if spec is None:

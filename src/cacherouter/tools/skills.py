@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import SchemaError
+from ..prompts import PLACEHOLDER_TOOL, ROUTER_TOOL
 from .argparse_ast import extract_static
-from .errors import SchemaError
 from .executor import ScriptResult, build_argv, run_script
-from .prompts import PLACEHOLDER_TOOL, ROUTER_TOOL
 from .registry import SKILL_FILE, is_segment, iter_scripts
 from .schema import ScriptSchema
 

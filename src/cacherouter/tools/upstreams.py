@@ -16,7 +16,7 @@ renames a tool. Server names may not contain ``_``, so the ``__`` separator is u
 OpenAI-style function-name rules cannot carry (dots, slashes, more than 64 characters) is spelled with ``_`` and a
 short hash of the original, so two upstream names never meet in one registry name.
 
-This module is standard-library only; the connections live in :mod:`cacherouter.mcp_upstream`.
+This module is standard-library only; the connections live in :mod:`cacherouter.tools.upstream_hub`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .canonical import canonical_json
-from .errors import ConfigError
+from ..canonical import canonical_json
+from ..errors import ConfigError
 
 SERVER_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,23}$")
 _TOOL_SAFE = re.compile(r"[^A-Za-z0-9_-]")

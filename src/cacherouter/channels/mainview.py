@@ -11,10 +11,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .canonical import render_tools
-from .errors import ConfigError
-from .prompts import PLACEHOLDER_TOOL, ROUTER_TOOL, placeholder_tool_definition, router_tool_definition
-from .registry import Registry
+from ..canonical import render_tools
+from ..errors import ConfigError
+from ..prompts import PLACEHOLDER_TOOL, ROUTER_TOOL, placeholder_tool_definition, router_tool_definition
+from ..tools.registry import Registry
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .errors import ConfigError
-from .registry import RegisteredTool
+from ..errors import ConfigError
+from ..tools.registry import RegisteredTool
 
 if TYPE_CHECKING:
     import numpy as np

@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .canonical import canonical_json, render_tools
-from .errors import CacheRouterError
-from .gateway import Gateway
-from .models import ChatModel, ChatRequest, Message
-from .prompts import MAX_TASK_CHARS, ROUTER_SYSTEM
-from .registry import RegisteredTool
+from ..canonical import canonical_json, render_tools
+from ..errors import CacheRouterError
+from ..models.base import ChatModel, ChatRequest, Message
+from ..prompts import MAX_TASK_CHARS, ROUTER_SYSTEM
+from ..tools.gateway import Gateway
+from ..tools.registry import RegisteredTool
 from .relevance import Ranker, make_ranker
 
 

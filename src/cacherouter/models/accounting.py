@@ -15,8 +15,8 @@ import hashlib
 import threading
 from dataclasses import dataclass, field
 
-from .cachemodel import Pricing, cache_model
-from .models import ChatModel, ChatRequest, ChatResponse
+from .base import ChatModel, ChatRequest, ChatResponse
+from .prompt_cache import Pricing, cache_model
 from .usage import Usage, normalize_provider, parse_usage
 
 # One source of truth for the discounts: the offline cache models of the same providers.
