@@ -651,6 +651,7 @@ def test_route_checker_finds_routes_without_clients_and_wrong_marks(tmp_path: Pa
     assert route_client_report(src, "pkg", table="pkg.api.routes", clients="pkg.store.http") == [
         "pkg/api/routes.py:3: C (POST /c) has no call in pkg.store.http: add one, or mark it server_only=True",
         "pkg/api/routes.py:4: D (GET /d) is marked server_only, but pkg.store.http sends it",
+    ]
 
 
 # ----- cacherouter layering
