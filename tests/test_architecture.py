@@ -501,3 +501,293 @@ def test_checker_finds_private_attributes_of_other_objects(tmp_path: Path) -> No
         "pkg/service.py:6: pkg.service uses self._cache._lock",
         "pkg/service.py:7: pkg.service uses getattr(cache, '_graphs')",
     ]
+
+
+# ----- routes and clients
+#
+# Every route the service serves (``ROUTES`` in ``tvcache/api/routes.py``) has a call in ``HttpStore`` (a
+# module of ``tvcache.store.http`` naming its constant: ``routes.LOOKUP``), or is marked ``server_only=True`` in
+# the table; and a route so marked has no such call. Read from the source like the rules above: a route is a
+# module-level constant of the table built by ``_post``, ``_get`` or ``Route``, ``ROUTES`` the constants its
+# tuples (and sums of tuples) list, and a call any name or attribute in the clients that resolves through their
+# imports to a route constant.
+
+ROUTE_TABLE = "tvcache.api.routes"
+ROUTE_CLIENTS = "tvcache.store.http"
+ROUTE_MAKERS = {"_post": "POST", "_get": "GET", "Route": None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableRoute:
+    name: str
+    method: str
+    path: str
+    server_only: bool
+    line: int
+
+
+def _literal(node: ast.expr | None) -> object:
+    return node.value if isinstance(node, ast.Constant) else None
+
+
+def route_table(module: Module) -> dict[str, TableRoute]:
+    """The route constants ``ROUTES`` holds, by name."""
+    made: dict[str, TableRoute] = {}
+    values: dict[str, ast.expr] = {}
+    for statement in parse(module).body:
+        if isinstance(statement, ast.Assign) and len(statement.targets) == 1:
+            target, value = statement.targets[0], statement.value
+        elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
+            target, value = statement.target, statement.value
+        else:
+            continue
+        if not isinstance(target, ast.Name):
+            continue
+        values[target.id] = value
+        call = value
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in ROUTE_MAKERS):
+            continue
+        keywords = {keyword.arg: keyword.value for keyword in call.keywords}
+        method = ROUTE_MAKERS[call.func.id] or _literal(keywords.get("method"))
+        path = _literal(call.args[0]) if call.args else _literal(keywords.get("path"))
+        made[target.id] = TableRoute(
+            name=target.id,
+            method=str(method),
+            path=str(path),
+            server_only=_literal(keywords.get("server_only")) is True,
+            line=statement.lineno,
+        )
+
+    def listed(node: ast.expr) -> Iterator[str]:
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            yield from listed(node.left)
+            yield from listed(node.right)
+        elif isinstance(node, ast.Tuple):
+            for element in node.elts:
+                yield from listed(element)
+        elif isinstance(node, ast.Name):
+            if node.id in made:
+                yield node.id
+            elif node.id in values:
+                yield from listed(values[node.id])
+
+    served = list(listed(values["ROUTES"])) if "ROUTES" in values else []
+    return {name: made[name] for name in served}
+
+
+def route_references(modules: dict[str, Module], table: str, clients: str) -> set[str]:
+    """The names of ``table``'s module-level constants that the modules of ``clients`` use."""
+    used: set[str] = set()
+    for name, module in modules.items():
+        if name != clients and not name.startswith(f"{clients}."):
+            continue
+        tree = parse(module)
+        aliases = module_aliases(module, tree, modules)
+        for node in ast.walk(tree):
+            dotted = _dotted(node) if isinstance(node, ast.Attribute | ast.Name) else None
+            if dotted is None or dotted[0] not in aliases:
+                continue
+            full = ".".join((*aliases[dotted[0]], *dotted[1:]))
+            prefix = f"{table}."
+            if full.startswith(prefix) and "." not in full[len(prefix) :]:
+                used.add(full[len(prefix) :])
+    return used
+
+
+def route_client_report(src: Path, root: str, table: str = ROUTE_TABLE, clients: str = ROUTE_CLIENTS) -> list[str]:
+    modules = discover(src, [root])
+    routes = route_table(modules[table])
+    used = route_references(modules, table, clients)
+    report = []
+    for route in routes.values():
+        where = modules[table].where(route.line)
+        if route.name not in used and not route.server_only:
+            report.append(
+                f"{where}: {route.name} ({route.method} {route.path}) has no call in {clients}: add one, or mark "
+                "it server_only=True"
+            )
+        elif route.name in used and route.server_only:
+            report.append(f"{where}: {route.name} ({route.method} {route.path}) is marked server_only, but "
+                          f"{clients} sends it")  # fmt: skip
+    return report
+
+
+def test_every_served_route_has_a_client_call_or_is_server_only() -> None:
+    assert route_client_report(SRC, "tvcache") == []
+
+
+def test_the_route_checker_reads_the_real_table() -> None:
+    modules = discover(SRC, ["tvcache"])
+    routes = route_table(modules[ROUTE_TABLE])
+    assert routes["LOOKUP"] == TableRoute(
+        name="LOOKUP", method="POST", path="/v1/lookup", server_only=False, line=routes["LOOKUP"].line
+    )
+    assert routes["METRICS"].server_only
+    assert {"LOOKUP", "CLAIM", "INSERT", "STATS", "PATH"} <= route_references(modules, ROUTE_TABLE, ROUTE_CLIENTS)
+
+
+def test_route_checker_finds_routes_without_clients_and_wrong_marks(tmp_path: Path) -> None:
+    src = plant(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/api/__init__.py": "",
+            "pkg/api/routes.py": (
+                "A = _post('/a', In, Out, 'a', 'sent')\n"
+                "B = _get('/b', Out, 'b', 'read by people', server_only=True)\n"
+                "C = _post('/c', In, Out, 'c', 'served, never sent')\n"
+                "D: Route[str] = Route(method='GET', path='/d', handler='d', summary='s', server_only=True)\n"
+                "E = _post('/e', In, Out, 'e', 'not in the table')\n"
+                "POSTS = (A, C)\n"
+                "GETS = (B, D)\n"
+                "ROUTES = POSTS + GETS\n"
+            ),
+            "pkg/store/__init__.py": "",
+            "pkg/store/http/__init__.py": "",
+            "pkg/store/http/ops.py": "from ...api import routes\nfrom pkg.api.routes import D\nroutes.A\nD\n",
+            "pkg/other.py": "from pkg.api import routes\nroutes.C\n",  # not a client
+        },
+    )
+    assert route_client_report(src, "pkg", table="pkg.api.routes", clients="pkg.store.http") == [
+        "pkg/api/routes.py:3: C (POST /c) has no call in pkg.store.http: add one, or mark it server_only=True",
+        "pkg/api/routes.py:4: D (GET /d) is marked server_only, but pkg.store.http sends it",
+    ]
+
+
+# ----- cacherouter layering
+#
+# cacherouter's subpackages, bottom up. Each layer may import only the layers in its row (its own included); the
+# front ends, the MCP servers, the proxy and the evaluation sit on the channels and never on each other, except that
+# the evaluation drives workloads through the proxy (``eval --via-proxy``). ``cli`` and the package's ``__init__``
+# (the public re-exports) stand above everything. A module in no layer -- a new flat module, a new subpackage -- is
+# reported too, so that its place is decided here, not by accident. Every import counts, lazy and type-only ones
+# included (a lazy import is still the dependency; it only moves the failure to run time). cacherouter and tvcache
+# share no module, in either direction.
+
+CACHEROUTER = "cacherouter"
+CACHEROUTER_GROUND = frozenset({"cacherouter.errors", "cacherouter.canonical", "cacherouter.prompts"})
+CACHEROUTER_TOP = frozenset({"cacherouter", "cacherouter.cli"})
+_BELOW_CHANNELS = frozenset({"ground", "tools", "models"})
+_UP_TO_CHANNELS = _BELOW_CHANNELS | {"channels"}
+CACHEROUTER_LAYERS: dict[str, frozenset[str]] = {
+    "ground": frozenset({"ground"}),  # errors, canonical bytes, the fixed prompt texts and pseudo-tool names
+    "tools": frozenset({"ground", "tools"}),  # the tool repository, MCP upstreams as sources, the Gateway
+    "models": frozenset({"ground", "models"}),  # chat models, the offline prompt cache, usage and accounting
+    "channels": _UP_TO_CHANNELS,  # the main view, the agent, the router, relevance, conversations
+    "mcp_servers": _UP_TO_CHANNELS | {"mcp_servers"},  # serve-mcp
+    "proxy": _UP_TO_CHANNELS | {"proxy"},  # the OpenAI/Anthropic API proxy
+    "frontends": _UP_TO_CHANNELS | {"frontends"},  # chat, web
+    "evaluation": _UP_TO_CHANNELS | {"proxy", "evaluation"},  # the offline evaluation
+    "top": frozenset(
+        {"ground", "tools", "models", "channels", "mcp_servers", "proxy", "frontends", "evaluation", "top"}
+    ),
+}
+SEPARATE_ROOTS = frozenset({"tvcache", "cacherouter"})
+# The one import between the roots there is, pinned so that no other joins it: ``eval --via-proxy`` serves the
+# stand-in provider and the proxy with tvcache's ``AppThread`` (uvicorn on a free port in a thread), lazily.
+KNOWN_CROSSINGS = {("cacherouter.evaluation.via_proxy", "tvcache.server.runner")}
+
+
+def cacherouter_layer(module: str) -> str | None:
+    """The layer of a cacherouter module (a subpackage's name, ``ground`` or ``top``), or None when it has none."""
+    if module in CACHEROUTER_TOP:
+        return "top"
+    if module in CACHEROUTER_GROUND:
+        return "ground"
+    parts = module.split(".")
+    if parts[0] == CACHEROUTER and len(parts) > 1 and parts[1] in CACHEROUTER_LAYERS.keys() - {"ground", "top"}:
+        return parts[1]
+    return None
+
+
+def layering_report(tree: Tree) -> list[str]:
+    """cacherouter modules in no layer, imports against ``CACHEROUTER_LAYERS``, and imports between the roots."""
+    report = [
+        f"{module.where(1)}: {name} is in no layer of CACHEROUTER_LAYERS"
+        for name, module in sorted(tree.modules.items())
+        if name.split(".")[0] == CACHEROUTER and cacherouter_layer(name) is None
+    ]
+    for (source, target), sites in sorted(tree.edges.items()):
+        where = ", ".join(tree.modules[source].where(line) for line in sorted(set(sites)))
+        source_root, target_root = source.split(".")[0], target.split(".")[0]
+        if source_root != target_root and {source_root, target_root} <= SEPARATE_ROOTS:
+            if any(source == known and _inside(module, target) for known, module in KNOWN_CROSSINGS):
+                continue  # the pinned crossing, and the packages on its way
+            report.append(f"{where}: {source} imports {target}: {source_root} and {target_root} share no module")
+            continue
+        if source_root != CACHEROUTER or target_root != CACHEROUTER:
+            continue
+        source_layer, target_layer = cacherouter_layer(source), cacherouter_layer(target)
+        if source_layer is None or target_layer is None:
+            continue  # reported above
+        if target_layer not in CACHEROUTER_LAYERS[source_layer]:
+            report.append(f"{where}: {source} ({source_layer}) imports {target} ({target_layer})")
+    return report
+
+
+def test_cacherouter_keeps_its_layers() -> None:
+    report = layering_report(build(SRC, ROOTS))
+    assert not report, f"{len(report)} import(s) against cacherouter's layering:\n" + "\n".join(report)
+
+
+def test_the_layering_check_sees_every_cacherouter_subpackage() -> None:
+    tree = build(SRC, ROOTS)
+    subpackages = {path.name for path in (SRC / CACHEROUTER).iterdir() if (path / "__init__.py").is_file()}
+    assert subpackages == CACHEROUTER_LAYERS.keys() - {"ground", "top"}
+    assert {cacherouter_layer(name) for name in tree.modules if name.startswith("cacherouter")} == set(
+        CACHEROUTER_LAYERS
+    )
+    assert ("cacherouter.channels.agent", "cacherouter.tools.gateway") in tree.edges  # channels on tools
+    assert ("cacherouter.evaluation.via_proxy", "cacherouter.proxy") in tree.edges  # a lazy import counts
+
+
+def test_layering_check_finds_imports_against_the_layers(tmp_path: Path) -> None:
+    src = plant(
+        tmp_path,
+        {
+            "cacherouter/__init__.py": "from .tools.registry import Registry\n",
+            "cacherouter/errors.py": "",
+            "cacherouter/cli.py": "def main():\n    from .frontends.chat import run\n",
+            "cacherouter/stray.py": "",
+            "cacherouter/tools/__init__.py": "",
+            "cacherouter/tools/registry.py": "from ..errors import E\ndef f():\n    from ..channels.router import R\n",
+            "cacherouter/models/__init__.py": "",
+            "cacherouter/models/base.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cacherouter.frontends.chat import C\n"
+            ),
+            "cacherouter/channels/__init__.py": "",
+            "cacherouter/channels/router.py": "from ..tools.registry import Registry\nfrom ..models import base\n",
+            "cacherouter/frontends/__init__.py": "",
+            "cacherouter/frontends/chat.py": "from ..channels.router import R\nfrom ..proxy.app import P\n",
+            "cacherouter/proxy/__init__.py": "",
+            "cacherouter/proxy/app.py": "import tvcache.cache\nfrom ..channels import router\n",
+            "cacherouter/evaluation/__init__.py": "",
+            "cacherouter/evaluation/via_proxy.py": "from tvcache.server.runner import AppThread\n",
+            "cacherouter/evaluation/runner.py": "from tvcache.server.runner import AppThread\n",
+            "tvcache/server/__init__.py": "",
+            "tvcache/server/runner.py": "",
+            "tvcache/__init__.py": "",
+            "tvcache/cache.py": "import importlib\nimportlib.import_module('cacherouter.errors')\n",
+        },
+    )
+    assert layering_report(build(src, ["tvcache", "cacherouter"])) == [
+        "cacherouter/stray.py:1: cacherouter.stray is in no layer of CACHEROUTER_LAYERS",
+        "cacherouter/evaluation/runner.py:1: cacherouter.evaluation.runner imports tvcache: cacherouter and tvcache "
+        "share no module",
+        "cacherouter/evaluation/runner.py:1: cacherouter.evaluation.runner imports tvcache.server: cacherouter and "
+        "tvcache share no module",
+        "cacherouter/evaluation/runner.py:1: cacherouter.evaluation.runner imports tvcache.server.runner: cacherouter "
+        "and tvcache share no module",
+        "cacherouter/frontends/chat.py:2: cacherouter.frontends.chat (frontends) imports cacherouter.proxy (proxy)",
+        "cacherouter/frontends/chat.py:2: cacherouter.frontends.chat (frontends) imports cacherouter.proxy.app (proxy)",
+        "cacherouter/models/base.py:3: cacherouter.models.base (models) imports cacherouter.frontends (frontends)",
+        "cacherouter/models/base.py:3: cacherouter.models.base (models) imports cacherouter.frontends.chat (frontends)",
+        "cacherouter/proxy/app.py:1: cacherouter.proxy.app imports tvcache: cacherouter and tvcache share no module",
+        "cacherouter/proxy/app.py:1: cacherouter.proxy.app imports tvcache.cache: cacherouter and tvcache share no "
+        "module",
+        "cacherouter/tools/registry.py:3: cacherouter.tools.registry (tools) imports cacherouter.channels (channels)",
+        "cacherouter/tools/registry.py:3: cacherouter.tools.registry (tools) imports cacherouter.channels.router "
+        "(channels)",
+        "tvcache/cache.py:2: tvcache.cache imports cacherouter: tvcache and cacherouter share no module",
+        "tvcache/cache.py:2: tvcache.cache imports cacherouter.errors: tvcache and cacherouter share no module",
+    ]

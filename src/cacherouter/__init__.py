@@ -2,7 +2,7 @@
 
 The main model sees a fixed, canonically serialised tool view (core packages + ``INTERNAL_ROUTER``); every other
 tool is reached through a router channel. Tools are argparse scripts in a package/skill/script repository whose
-schemas are read statically and hot-reloaded, and MCP servers (``cacherouter.upstreams``) whose tools join the
+schemas are read statically and hot-reloaded, and MCP servers (``cacherouter.tools.upstreams``) whose tools join the
 long tail. The user's guide is the README's "cacherouter" section; the MCP gateway and its upstreams config are
 described in ``docs/cacherouter-mcp.md``.
 
@@ -11,11 +11,11 @@ chat model asked for, ``ScriptResult`` what a script run produced, ``RegisteredT
 registry, ``ChatSession`` a persisted conversation.
 """
 
-from .accounting import Ledger, RecordingModel, Summary
-from .agent import Agent, AgentConfig, Answer
-from .argparse_ast import Extraction, extract_static
-from .cachemodel import AnthropicCacheModel, DeepSeekCacheModel, OpenAICacheModel, PrefixCacheModel, cache_model
-from .endpoint import EndpointConfig, OpenAICompatibleModel
+from .channels.agent import Agent, AgentConfig, Answer
+from .channels.conversation import ChatSession
+from .channels.mainview import MainView
+from .channels.relevance import BM25, KeywordHitRatio, evaluate_ranker
+from .channels.router import Router, RouterConfig, compress_task, filter_candidates
 from .errors import (
     ArgumentError,
     CacheRouterError,
@@ -26,24 +26,30 @@ from .errors import (
     SessionError,
     ToolExecutionError,
 )
-from .executor import ScriptResult, build_argv, run_script
-from .gateway import Gateway, GatewayConfig, ReloadOutcome
-from .mainview import MainView
-from .models import (
+from .models.accounting import Ledger, RecordingModel, Summary
+from .models.base import (
     ChatRequest,
     ChatResponse,
     ChatToolCall,
     ScriptedModel,
     SimulatedProvider,
 )
-from .registry import Limits, Problem, RegisteredTool, Registry, build_registry, script_schema
-from .relevance import BM25, KeywordHitRatio, evaluate_ranker
-from .router import Router, RouterConfig, compress_task, filter_candidates
-from .schema import ArgumentSpec, ScriptSchema
-from .session import ChatSession
-from .skills import SkillParam, build_skill
-from .upstreams import UpstreamConfig, load_upstreams, namespaced_name, parse_upstreams
-from .usage import Usage, parse_usage
+from .models.endpoint import EndpointConfig, OpenAICompatibleModel
+from .models.prompt_cache import (
+    AnthropicCacheModel,
+    DeepSeekCacheModel,
+    OpenAICacheModel,
+    PrefixCacheModel,
+    cache_model,
+)
+from .models.usage import Usage, parse_usage
+from .tools.argparse_ast import Extraction, extract_static
+from .tools.executor import ScriptResult, build_argv, run_script
+from .tools.gateway import Gateway, GatewayConfig, ReloadOutcome
+from .tools.registry import Limits, Problem, RegisteredTool, Registry, build_registry, script_schema
+from .tools.schema import ArgumentSpec, ScriptSchema
+from .tools.skills import SkillParam, build_skill
+from .tools.upstreams import UpstreamConfig, load_upstreams, namespaced_name, parse_upstreams
 
 __all__ = [
     "BM25",

@@ -9,23 +9,25 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-from .endpoint import MAIN_PREFIX, ROUTER_PREFIX
+from .channels.mainview import MainView
+from .channels.relevance import RANKERS, SCORERS, make_ranker
+from .channels.router import RouterConfig
 from .errors import CacheRouterError, ConfigError
-from .mainview import MainView
-from .registry import build_registry, script_schema
-from .relevance import RANKERS, SCORERS, make_ranker
-from .router import RouterConfig
-from .usage import PROVIDERS
+from .models.endpoint import MAIN_PREFIX, ROUTER_PREFIX
+from .models.usage import PROVIDERS
+from .tools.registry import build_registry, script_schema
 
 if TYPE_CHECKING:
-    from .chat import ChatSetup
     from .evaluation.runner import RunResult
-    from .gateway import Gateway
-    from .tokens import Tokenizer
+    from .frontends.chat import ChatSetup
+    from .models.tokens import Tokenizer
+    from .tools.gateway import Gateway
+
+_N = TypeVar("_N", int, float)  # what a checked number option holds
 
 DEFAULT_PACKAGES = ("base", "geography", "internet")
 EVAL_WORKLOADS = ("suite", "dialogue", "longtail", "dialogue-211", "mcp")
@@ -103,12 +105,12 @@ def _pct(value: float | None) -> str:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from .evaluation.runner import ARCHITECTURES, results_json, run_all
-    from .tokens import default_tokenizer
+    from .models.tokens import default_tokenizer
 
     json_path = _output_path(args.json, "--json") if args.json else None  # before the run, not after it
     # The suite breaks a tool script on purpose; the gateway's warning about it is expected here, not news.
-    logging.getLogger("cacherouter.gateway").setLevel(logging.ERROR)
-    logging.getLogger("cacherouter.mcp_upstream").setLevel(logging.ERROR)
+    logging.getLogger("cacherouter.tools.gateway").setLevel(logging.ERROR)
+    logging.getLogger("cacherouter.tools.upstream_hub").setLevel(logging.ERROR)
     tokenizer = default_tokenizer()
     ranker = make_ranker(RouterConfig().ranker).name  # what the router's "auto" default resolves to here
     workloads = list(args.workloads or EVAL_WORKLOADS)
@@ -239,8 +241,8 @@ def _cmd_serve_mcp(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from .gateway import Gateway, GatewayConfig
-    from .mcp_server import serve_stdio  # needs the 'mcp' extra; the import says so when it is missing
+    from .mcp_servers.registry_server import serve_stdio  # needs the 'mcp' extra; the import says so when it is missing
+    from .tools.gateway import Gateway, GatewayConfig
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)  # stdout carries the protocol
     if args.repo is None and args.upstreams is None:
@@ -265,7 +267,12 @@ def _cmd_serve_mcp(args: argparse.Namespace) -> int:
         if args.upstreams is None:
             asyncio.run(serve_stdio(gateway, max_concurrent_calls=args.max_concurrent_calls))
             return 0
-        from .mcp_gateway import RoutingMCPServer, router_model_from_env, serve_gateway_http, serve_gateway_stdio
+        from .mcp_servers.routing_server import (
+            RoutingMCPServer,
+            router_model_from_env,
+            serve_gateway_http,
+            serve_gateway_stdio,
+        )
 
         server = RoutingMCPServer(
             gateway,
@@ -300,8 +307,8 @@ def _cmd_serve_mcp(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from .chat import run_chat
-    from .session import ChatSession
+    from .channels.conversation import ChatSession
+    from .frontends.chat import run_chat
 
     sessions_dir = _sessions_dir(args.sessions_dir) if args.sessions_dir else None
     if args.session and sessions_dir is None:
@@ -318,7 +325,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_web(args: argparse.Namespace) -> int:
-    from .web import LOOPBACK_NAMES, WebChat, create_app
+    from .frontends.web import LOOPBACK_NAMES, WebChat, create_app
 
     try:
         import uvicorn
@@ -379,7 +386,7 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
 def _started_gateway(args: argparse.Namespace) -> Iterator[Gateway]:
     """The gateway over --repo (and --upstreams' MCP servers), hot-reloading while the chat runs: their tools
     join the long tail, reached through the router, and a session's main view never changes."""
-    from .gateway import Gateway, GatewayConfig
+    from .tools.gateway import Gateway, GatewayConfig
 
     repo = Path(args.repo) if args.repo else _default_repo()
     upstreams = Path(args.upstreams) if args.upstreams else None
@@ -400,7 +407,7 @@ def _new_view(gateway: Gateway, args: argparse.Namespace) -> MainView:
 
 
 def _build_setup(args: argparse.Namespace, gateway: Gateway, view: MainView, sessions_dir: Path | None) -> ChatSetup:
-    from .chat import build_chat
+    from .frontends.chat import build_chat
 
     if args.top_k < 1 or args.tool_timeout <= 0:
         raise ConfigError("--top-k must be at least 1 and --tool-timeout more than 0 seconds")
@@ -438,37 +445,29 @@ def _default_repo() -> Path:
     return EVAL_REPO
 
 
-def _positive_seconds(text: str) -> float:
-    """An argparse type: a number of seconds more than 0 (0 would make a poll loop spin, a timeout fire at once)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 < value < math.inf:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds more than 0, got {text}")
-    return value
+def _checked(
+    convert: Callable[[str], _N], expected: str, accept: Callable[[_N], bool], must: str
+) -> Callable[[str], _N]:
+    """An argparse type: ``convert`` the text (else "expected ..."), then ``accept`` the value (else "must be ...")."""
+
+    def parse(text: str) -> _N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {text}")
+        return value
+
+    return parse
 
 
-def _port(text: str) -> int:
-    """An argparse type: a TCP port, 0 (any free port) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text}")
-    return value
-
-
-def _at_least_one(text: str) -> int:
-    """An argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
+# Seconds more than 0 (0 would make a poll loop spin, a timeout fire at once); the range check also refuses nan.
+_positive_seconds = _checked(
+    float, "a number of seconds", lambda value: 0 < value < math.inf, "a finite number of seconds more than 0"
+)
+_port = _checked(int, "a port number", lambda value: 0 <= value <= 65535, "a port from 0 to 65535")  # 0: any free
+_at_least_one = _checked(int, "a whole number", lambda value: value >= 1, "at least 1")
 
 
 def _add_agent_options(parser: argparse.ArgumentParser) -> None:
@@ -587,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-concurrent-calls",
         type=_at_least_one,
-        default=16,  # mcp_server.DEFAULT_MAX_CONCURRENT_CALLS, not imported here: the mcp extra is optional
+        default=16,  # registry_server.DEFAULT_MAX_CONCURRENT_CALLS, not imported here: the mcp extra is optional
         help="tool runs at once; more calls wait, while the protocol keeps answering (default: 16)",
     )
     serve.add_argument("--allow-reflection", action="store_true", help="allow reflection fallback")

@@ -14,21 +14,21 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Unpack
 
-from .calls import ToolSpec
+from .calls import MAX_TASK_ID, ToolSpec
 from .errors import UnknownTool
 from .graph import Node, ToolCallGraph
 from .policies import Budget, CostAwareSnapshots, CostModel, EvictionPolicy, SnapshotPolicy
-from .protocol import SandboxFactory, Snapshot
+from .protocol import SandboxFactory
 from .recovery import JournalRecovery
 from .results import AuditFinding, CacheStats, NondeterminismMark
 from .session import Session, SyncSession
-from .store.local import MAX_TASK_ID, LocalStore
+from .store.local import LocalStore, LocalStoreOptions
 from .store.protocol import GraphStore
 
 __all__ = ["MAX_TASK_ID", "Cache", "NondeterminismWarning"]
@@ -61,6 +61,8 @@ class NondeterminismWarning(UserWarning):
 class Cache:
     """Tool call graphs of many tasks, shared by concurrent rollout sessions (threads or tasks).
 
+    ``store_options`` (``fsync``, ``compact_on_open``, ``clock``, ``discard``, ``verify_snapshots``) are those of
+    the ``LocalStore`` opened at ``path`` (``LocalStoreOptions``, with their defaults there; unused with ``store``).
     A process frees only storage it made (``tvcache.store.owners``): ``discard`` replaces the default for
     evicted records it did not make; ``verify_snapshots=False`` keeps journaled snapshots whose files this
     process cannot see. A server sets both: its snapshots belong to its clients (``tvcache.server``).
@@ -84,27 +86,14 @@ class Cache:
         audit_rate: float = 0.0,
         audit_seed: int | None = 0,
         verify_undeclared: bool = True,
-        fsync: bool = False,
-        compact_on_open: bool = True,
-        clock: Callable[[], float] = time.monotonic,
-        discard: Callable[[Snapshot], None] | None = None,
-        verify_snapshots: bool = True,
+        **store_options: Unpack[LocalStoreOptions],
     ) -> None:
         if not 0.0 <= audit_rate <= 1.0:
             raise ValueError(f"audit_rate must be between 0 and 1, got {audit_rate}")
         if store is not None and path is not None:
             raise TypeError("pass either path or store: a store given is opened already")
         if store is None:
-            store = LocalStore(
-                path,
-                budget=budget,
-                eviction=eviction,
-                fsync=fsync,
-                compact_on_open=compact_on_open,
-                clock=clock,
-                discard=discard,
-                verify_snapshots=verify_snapshots,
-            )
+            store = LocalStore(path, budget=budget, eviction=eviction, **store_options)
         elif isinstance(store, LocalStore):
             if budget is not None:
                 store.budget = budget
@@ -286,7 +275,7 @@ class Cache:
         with self._telemetry_lock:
             return self._audit_rng.random() < self.audit_rate
 
-    def claim_verification(self, task_id: str, spec: ToolSpec) -> bool:
+    def claim_check(self, task_id: str, spec: ToolSpec) -> bool:
         """True once per task and undeclared tool (``spec.deterministic is None``), to the session that is to
         check that tool's first hit in the task; False when checks are off, the tool is declared, or it was
         (or is being) checked already."""
@@ -294,11 +283,11 @@ class Cache:
             return False
         return self._store.claim_check(task_id, spec.name)
 
-    def passed_verification(self, task_id: str, tool: str) -> None:
+    def pass_check(self, task_id: str, tool: str) -> None:
         """The first-hit check agreed: a reopened cache does not check that tool in the task again."""
         self._store.pass_check(task_id, tool)
 
-    def release_verification(self, task_id: str, tool: str) -> None:
+    def release_check(self, task_id: str, tool: str) -> None:
         """The check could not run (the sandbox failed, the session was cancelled): a later hit tries again."""
         self._store.release_check(task_id, tool)
 

@@ -1,4 +1,4 @@
-"""Tool calls as canonical bytes, their stable digests, and tool specs.
+"""Tool calls as canonical bytes, their stable digests, and tool specs; the rule for task ids, which key graphs.
 
 Two calls are the same call when their names match and their arguments are equal as JSON values: key order
 and whitespace do not matter, types do (``1`` and ``1.0`` and ``true`` are three different arguments, because a
@@ -15,11 +15,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InvalidToolCall
+from .errors import InvalidTaskId, InvalidToolCall
 
-__all__ = ["ToolCall", "ToolSpec", "canonical_json", "stable_digest"]
+__all__ = ["MAX_TASK_ID", "ToolCall", "ToolSpec", "canonical_json", "check_task_id", "stable_digest"]
 
 DIGEST_BYTES = 16
+MAX_TASK_ID = 1024
+
+
+def check_task_id(task_id: object) -> None:
+    """InvalidTaskId unless ``task_id`` is a non-empty string of at most ``MAX_TASK_ID`` characters, no NUL."""
+    if not isinstance(task_id, str) or not task_id or len(task_id) > MAX_TASK_ID:
+        raise InvalidTaskId(
+            f"task id must be a non-empty string of at most {MAX_TASK_ID} characters, got {task_id!r:.80}"
+        )
+    if "\x00" in task_id:
+        raise InvalidTaskId("task id must not contain NUL characters")
 
 
 def stable_digest(data: bytes) -> bytes:

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
+from .defaults import CLAIM_TTL, LEASE_TTL, MAX_BODY_BYTES, SNAPSHOT_BYTES, SNAPSHOTS_PER_TASK, TOKEN_ENV, env_token
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -87,7 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .errors import TVCacheError
     from .policies import Budget
 
-    token = args.token or os.environ.get("TVCACHE_TOKEN") or None
+    token = env_token(args.token)
     try:
         from .server import runner
     except ImportError as error:
@@ -107,7 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
         options.append("--fsync")
     if args.shards > 1:
         if token is not None:
-            os.environ["TVCACHE_TOKEN"] = token  # children read it from the environment, never from argv
+            os.environ[TOKEN_ENV] = token  # children read it from the environment, never from argv
         return runner.serve_shards(args.shards, host=args.host, port=args.port, data_dir=args.data_dir, argv=options)
     try:
         runner.serve(
@@ -164,8 +165,6 @@ def _mcp_proxy(args: argparse.Namespace) -> int:
 
 
 def _ray(args: argparse.Namespace) -> int:
-    import os
-
     try:
         from .integrations.ray import command
     except ImportError as error:
@@ -173,7 +172,7 @@ def _ray(args: argparse.Namespace) -> int:
         return 2
     return command.run(
         args.action, shards=args.shards, data_dir=args.data_dir, namespace=args.namespace, address=args.address,
-        host=args.host, port=args.port, token=args.token or os.environ.get("TVCACHE_TOKEN") or None,
+        host=args.host, port=args.port, token=env_token(args.token),
     )  # fmt: skip
 
 
@@ -272,13 +271,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shards", type=int, default=1, help="start N shard processes (default 1); route with "
                        "tvcache.ShardedCache")  # fmt: skip
     serve.add_argument("--fsync", action="store_true", help="fsync each journal record (survives power loss)")
-    serve.add_argument("--claim-ttl", type=float, default=30.0, help="seconds before a silent executing client's "
-                       "claim is taken over (default 30)")  # fmt: skip
-    serve.add_argument("--lease-ttl", type=float, default=600.0, help="seconds a snapshot lease or a wire-format "
-                       "env reference lasts without release (default 600)")  # fmt: skip
-    serve.add_argument("--max-snapshots-per-task", type=int, default=64, help="snapshot budget per task (default 64)")
-    serve.add_argument("--max-snapshot-bytes", type=int, default=8 * 1024**3, help="snapshot bytes budget in all")
-    serve.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="request body limit (16 MiB)")
+    serve.add_argument("--claim-ttl", type=float, default=CLAIM_TTL, help="seconds before a silent executing "
+                       f"client's claim is taken over (default {CLAIM_TTL:g})")  # fmt: skip
+    serve.add_argument("--lease-ttl", type=float, default=LEASE_TTL, help="seconds a snapshot lease or a "
+                       f"wire-format env reference lasts without release (default {LEASE_TTL:g})")  # fmt: skip
+    serve.add_argument(
+        "--max-snapshots-per-task",
+        type=int,
+        default=SNAPSHOTS_PER_TASK,
+        help=f"snapshot budget per task (default {SNAPSHOTS_PER_TASK})",
+    )
+    serve.add_argument("--max-snapshot-bytes", type=int, default=SNAPSHOT_BYTES, help="snapshot bytes budget in all")
+    serve.add_argument(
+        "--max-body-bytes", type=int, default=MAX_BODY_BYTES, help=f"request body limit ({MAX_BODY_BYTES >> 20} MiB)"
+    )
     serve.set_defaults(handler=_serve)
 
     bench = commands.add_parser(

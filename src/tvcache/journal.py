@@ -40,7 +40,17 @@ from typing import Any
 from .errors import JournalError
 from .private_storage import FILE_MODE, make_private, private_directory
 
-__all__ = ["DamagedLine", "Journal", "JournalScan", "JournalWarning", "Prefix", "Rewrite", "decode", "salvage"]
+__all__ = [
+    "DamagedLine",
+    "Journal",
+    "JournalScan",
+    "JournalWarning",
+    "Prefix",
+    "Rewrite",
+    "decode",
+    "fsync_directory",
+    "salvage",
+]
 
 
 class JournalWarning(UserWarning):
@@ -343,7 +353,7 @@ class Journal:
                 if isinstance(error, OSError):
                     raise JournalError(f"cannot compact the journal {self.path}: {error}; it is unchanged") from error
                 raise
-            _fsync_directory(self.directory)
+            fsync_directory(self.directory)
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
@@ -372,7 +382,7 @@ class Journal:
             except OSError as error:
                 path.unlink(missing_ok=True)
                 raise JournalError(f"cannot keep a copy of damaged journal lines in {path}: {error}") from error
-            _fsync_directory(self.directory)
+            fsync_directory(self.directory)
             return path
         raise JournalError(f"cannot find a free name for a copy of damaged journal lines in {self.directory}")
 
@@ -394,7 +404,8 @@ class Journal:
                 self._lock_fd = -1
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
+    """Make a directory's entries (a file created, renamed or removed in it) durable."""
     directory_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(directory_fd)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from .defaults import SNAPSHOT_BYTES, SNAPSHOTS_PER_TASK
 from .graph import Node, ToolCallGraph
 
 __all__ = [
@@ -137,10 +138,10 @@ class LowReuseFirst:
 class Budget:
     """Limits on snapshots kept: per task and across the cache. None means unlimited."""
 
-    max_snapshots_per_task: int | None = 64
+    max_snapshots_per_task: int | None = SNAPSHOTS_PER_TASK
     max_bytes_per_task: int | None = None
     max_snapshots: int | None = None
-    max_bytes: int | None = 8 * 1024**3
+    max_bytes: int | None = SNAPSHOT_BYTES
 
     def __post_init__(self) -> None:
         for name in ("max_snapshots_per_task", "max_bytes_per_task", "max_snapshots", "max_bytes"):

@@ -61,11 +61,11 @@ class SessionCache(Protocol):
 
     def should_audit(self) -> bool: ...
 
-    def claim_verification(self, task_id: str, spec: ToolSpec) -> bool: ...
+    def claim_check(self, task_id: str, spec: ToolSpec) -> bool: ...
 
-    def passed_verification(self, task_id: str, tool: str) -> None: ...
+    def pass_check(self, task_id: str, tool: str) -> None: ...
 
-    def release_verification(self, task_id: str, tool: str) -> None: ...
+    def release_check(self, task_id: str, tool: str) -> None: ...
 
     def report_audit(self, finding: AuditFinding) -> None: ...
 
@@ -141,7 +141,7 @@ class Session:
             state = self.state
             node = self.store.lookup(self.graph, state, call)
             if node is not None:
-                if self.cache.claim_verification(self.task_id, spec):
+                if self.cache.claim_check(self.task_id, spec):
                     return await self._verify_hit(node, spec, started)
                 return self._hit(node, started, coalesced=False)
             claim = self.store.claim(self.graph, state, call)
@@ -256,13 +256,13 @@ class Session:
         try:
             sandbox = await self._ensure_sandbox(state)
             if self.state is None:  # reaching that state diverged: the rollout runs uncached from here on
-                self.cache.release_verification(self.task_id, spec.name)
+                self.cache.release_check(self.task_id, spec.name)
                 return await self._execute_uncached(call, spec, started)
             outcome, _ = await self._execute(sandbox, call)
         except Exception as error:
             # The check could not run (the sandbox failed and was stopped): the rollout is still at this state,
             # so the hit is served as it would have been without the check, which a later hit retries.
-            self.cache.release_verification(self.task_id, spec.name)
+            self.cache.release_check(self.task_id, spec.name)
             warnings.warn(
                 f"task {self.task_id!r}: the first-hit check of node {node.id} could not run: {error!r}",
                 RuntimeWarning,
@@ -270,7 +270,7 @@ class Session:
             )
             return self._hit(node, started, coalesced=False)
         except BaseException:
-            self.cache.release_verification(self.task_id, spec.name)
+            self.cache.release_check(self.task_id, spec.name)
             raise
         read_only = _left_state_unchanged(spec, outcome)
         agrees = (
@@ -282,7 +282,7 @@ class Session:
         if not agrees:
             self.cache.report_divergence(self.task_id, node, outcome.output, source="first-hit")
             return self._uncached_result(call, outcome, read_only, started)
-        self.cache.passed_verification(self.task_id, spec.name)
+        self.cache.pass_check(self.task_id, spec.name)
         if not node.read_only:
             self.state = node
             self._sandbox_state = node

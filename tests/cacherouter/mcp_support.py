@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from cacherouter.upstreams import UpstreamConfig
+from cacherouter.tools.upstreams import UpstreamConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).with_name("mcp_fixture_server.py")

@@ -7,16 +7,16 @@ import sys
 
 import pytest
 
-from cacherouter.accounting import Ledger, RecordingModel
-from cacherouter.cachemodel import AnthropicCacheModel, DeepSeekCacheModel, OpenAICacheModel
-from cacherouter.endpoint import EndpointConfig, OpenAICompatibleModel, parse_completion
 from cacherouter.errors import ConfigError
 from cacherouter.evaluation.runner import EVAL_REPO, run_workload
 from cacherouter.evaluation.suite import DIALOGUE, SUITE
-from cacherouter.gateway import Gateway, GatewayConfig
-from cacherouter.models import ChatRequest
-from cacherouter.tokens import ApproximateTokenizer, default_tokenizer
-from cacherouter.usage import parse_usage
+from cacherouter.models.accounting import Ledger, RecordingModel
+from cacherouter.models.base import ChatRequest
+from cacherouter.models.endpoint import EndpointConfig, OpenAICompatibleModel, parse_completion
+from cacherouter.models.prompt_cache import AnthropicCacheModel, DeepSeekCacheModel, OpenAICacheModel
+from cacherouter.models.tokens import ApproximateTokenizer, default_tokenizer
+from cacherouter.models.usage import parse_usage
+from cacherouter.tools.gateway import Gateway, GatewayConfig
 
 
 def test_usage_fields_per_provider_and_missing_is_unknown():

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from cacherouter.argparse_ast import extract_static
 from cacherouter.errors import ArgumentError, SchemaError
-from cacherouter.executor import MAX_OUTPUT_CHARS, build_argv, run_script
-from cacherouter.reflection import reflect_schema
-from cacherouter.registry import script_schema
+from cacherouter.tools.argparse_ast import extract_static
+from cacherouter.tools.executor import MAX_OUTPUT_CHARS, build_argv, run_script
+from cacherouter.tools.reflection import reflect_schema
+from cacherouter.tools.registry import script_schema
 
 CORPUS = Path(__file__).parent / "corpus"
 

@@ -1,19 +1,19 @@
 import pytest
 from support import add_tool, make_repo, replies_since_query
 
-from cacherouter.accounting import Ledger, RecordingModel
-from cacherouter.agent import Agent, AgentConfig
-from cacherouter.cachemodel import DeepSeekCacheModel, render_message
+from cacherouter.channels.agent import Agent, AgentConfig
+from cacherouter.channels.conversation import ChatSession
+from cacherouter.channels.mainview import MainView
+from cacherouter.channels.relevance import BM25, KeywordHitRatio, evaluate_ranker
+from cacherouter.channels.router import Router, RouterConfig, compress_task, filter_candidates
 from cacherouter.errors import ModelError, SchemaError
-from cacherouter.gateway import Gateway, GatewayConfig
-from cacherouter.mainview import MainView
-from cacherouter.models import ChatRequest, ChatResponse, ChatToolCall, ScriptedModel, SimulatedProvider
+from cacherouter.models.accounting import Ledger, RecordingModel
+from cacherouter.models.base import ChatRequest, ChatResponse, ChatToolCall, ScriptedModel, SimulatedProvider
+from cacherouter.models.prompt_cache import DeepSeekCacheModel, render_message
 from cacherouter.prompts import DIRECT_ANSWER, NEED_TOOLS, PLACEHOLDER_TOOL, ROUTER_TOOL, UNCERTAIN
-from cacherouter.registry import build_registry
-from cacherouter.relevance import BM25, KeywordHitRatio, evaluate_ranker
-from cacherouter.router import Router, RouterConfig, compress_task, filter_candidates
-from cacherouter.session import ChatSession
-from cacherouter.skills import SkillParam, build_skill
+from cacherouter.tools.gateway import Gateway, GatewayConfig
+from cacherouter.tools.registry import build_registry
+from cacherouter.tools.skills import SkillParam, build_skill
 
 
 def _rounds(request: ChatRequest) -> int:

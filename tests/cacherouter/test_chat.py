@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from support import make_repo
 
-from cacherouter.chat import MAX_MESSAGE_CHARS, SCRIPTED_LABEL, build_chat, run_chat
+from cacherouter.channels.conversation import ChatSession
+from cacherouter.channels.mainview import MainView
 from cacherouter.errors import SessionError
-from cacherouter.gateway import Gateway, GatewayConfig
-from cacherouter.mainview import MainView
-from cacherouter.session import ChatSession
+from cacherouter.frontends.chat import MAX_MESSAGE_CHARS, SCRIPTED_LABEL, build_chat, run_chat
+from cacherouter.tools.gateway import Gateway, GatewayConfig
 
 
 def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:

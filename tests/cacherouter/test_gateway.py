@@ -7,9 +7,9 @@ from pathlib import Path
 
 from support import add_tool, make_repo
 
-from cacherouter.gateway import Gateway, GatewayConfig
 from cacherouter.prompts import PLACEHOLDER_TOOL, ROUTER_TOOL
-from cacherouter.registry import Limits, build_registry
+from cacherouter.tools.gateway import Gateway, GatewayConfig
+from cacherouter.tools.registry import Limits, build_registry
 
 
 def test_registry_layout_and_package_index(tmp_path):
@@ -148,7 +148,7 @@ def test_polling_survives_an_unexpected_error(tmp_path):
     shutil.rmtree(index)
     index.write_text("a file where the index directory should be")  # the next index write raises OSError
     flag = _Flag()
-    logger = logging.getLogger("cacherouter.gateway")
+    logger = logging.getLogger("cacherouter.tools.gateway")
     logger.addHandler(flag)
     picked = threading.Event()
     gateway.subscribe(lambda registry: picked.set() if "later_tool" in registry.tools else None)
@@ -185,7 +185,7 @@ def test_a_script_broken_while_serving_keeps_its_last_good_schema(tmp_path, capl
     good = gateway.registry.get("echo_text")
     assert good is not None
     good.script.write_text(good.script.read_text() + "\ndef broken(:\n")
-    with caplog.at_level(logging.WARNING, logger="cacherouter.gateway"):
+    with caplog.at_level(logging.WARNING, logger="cacherouter.tools.gateway"):
         assert gateway.poll().changed
         add_tool(root, "other", "fresh", "fresh_tool")
         assert gateway.poll().changed  # the problem is not new this time: logged once only

@@ -5,7 +5,7 @@ from pathlib import Path
 from cacherouter.evaluation.longtail import DOMAINS, LONGTAIL, generate_repository, generated_tools
 from cacherouter.evaluation.runner import EVAL_REPO, run_workload
 from cacherouter.evaluation.suite import CORE_PACKAGES
-from cacherouter.registry import build_registry
+from cacherouter.tools.registry import build_registry
 
 
 def test_generated_repository_registers_every_tool_statically(tmp_path: Path) -> None:

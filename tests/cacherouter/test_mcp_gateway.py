@@ -24,11 +24,11 @@ from mcp import types as mcp_types  # noqa: E402
 from mcp_support import ECHO, ROOT, alive, fixture, pids, tool, wait_until  # noqa: E402
 from pydantic import BaseModel, ConfigDict  # noqa: E402
 
-from cacherouter.gateway import Gateway, GatewayConfig  # noqa: E402
-from cacherouter.mcp_gateway import DETERMINISTIC_LABEL, ROUTE_META, RoutingMCPServer  # noqa: E402
-from cacherouter.models import ChatRequest, ChatResponse, ChatToolCall, ScriptedModel  # noqa: E402
+from cacherouter.mcp_servers.routing_server import DETERMINISTIC_LABEL, ROUTE_META, RoutingMCPServer  # noqa: E402
+from cacherouter.models.base import ChatRequest, ChatResponse, ChatToolCall, ScriptedModel  # noqa: E402
 from cacherouter.prompts import ROUTER_TOOL  # noqa: E402
-from cacherouter.upstreams import UpstreamConfig  # noqa: E402
+from cacherouter.tools.gateway import Gateway, GatewayConfig  # noqa: E402
+from cacherouter.tools.upstreams import UpstreamConfig  # noqa: E402
 
 
 class Verbatim(BaseModel):

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from support import add_tool, make_repo
 
-from cacherouter.executor import MAX_OUTPUT_CHARS
-from cacherouter.gateway import Gateway, GatewayConfig
+from cacherouter.tools.executor import MAX_OUTPUT_CHARS
+from cacherouter.tools.gateway import Gateway, GatewayConfig
 
 pytest.importorskip("mcp", reason="the 'mcp' extra is not installed: pip install 'tvcache[mcp]'")
 
@@ -25,7 +25,7 @@ from anyio.abc import SocketAttribute, SocketListener, SocketStream  # noqa: E40
 from mcp import Client, MCPError, StdioServerParameters  # noqa: E402
 from mcp.client.subscriptions import ToolsListChanged  # noqa: E402
 
-from cacherouter.mcp_server import GatewayMCPServer  # noqa: E402
+from cacherouter.mcp_servers.registry_server import GatewayMCPServer  # noqa: E402
 
 WAIT = 30.0  # every wait is bounded by this; a healthy run takes well under a second per wait
 

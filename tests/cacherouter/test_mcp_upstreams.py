@@ -31,12 +31,17 @@ from mcp_support import (  # noqa: E402
 )
 from pydantic import BaseModel, ConfigDict  # noqa: E402
 
+from cacherouter.channels.mainview import MainView  # noqa: E402
 from cacherouter.errors import ConfigError  # noqa: E402
 from cacherouter.evaluation.runner import EVAL_REPO  # noqa: E402
-from cacherouter.gateway import Gateway, GatewayConfig  # noqa: E402
-from cacherouter.mainview import MainView  # noqa: E402
-from cacherouter.mcp_upstream import UpstreamHub, UpstreamResult  # noqa: E402
-from cacherouter.upstreams import UpstreamConfig, check_input_schema, namespaced_name, parse_upstreams  # noqa: E402
+from cacherouter.tools.gateway import Gateway, GatewayConfig  # noqa: E402
+from cacherouter.tools.upstream_hub import UpstreamHub, UpstreamResult  # noqa: E402
+from cacherouter.tools.upstreams import (  # noqa: E402
+    UpstreamConfig,
+    check_input_schema,
+    namespaced_name,
+    parse_upstreams,
+)
 
 CORE = ("base", "geography", "internet")
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from cacherouter.accounting import Ledger, RecordingModel
-from cacherouter.endpoint import EndpointConfig, OpenAICompatibleModel
 from cacherouter.errors import ConfigError, ModelError
-from cacherouter.models import ChatRequest, ChatResponse
-from cacherouter.usage import parse_usage
+from cacherouter.models.accounting import Ledger, RecordingModel
+from cacherouter.models.base import ChatRequest, ChatResponse
+from cacherouter.models.endpoint import EndpointConfig, OpenAICompatibleModel
+from cacherouter.models.usage import parse_usage
 
 Action = Callable[["_Handler"], None]
 USER = {"role": "user", "content": "compute 6*7"}

@@ -27,10 +27,10 @@ import openai
 import pytest
 from proxy_provider import ProviderDouble, Recorded, Reply
 
+from cacherouter.channels.router import RouterConfig
 from cacherouter.cli import main
 from cacherouter.prompts import ROUTER_SYSTEM, ROUTER_TOOL
 from cacherouter.proxy import ROUTED_PREFIX, Proxy, ProxyConfig, create_app, decode_routed_id, encode_routed_id
-from cacherouter.router import RouterConfig
 from tvcache.server.runner import AppThread
 
 SECRET = "sk-test-SECRET-0123456789"
@@ -757,9 +757,9 @@ def test_the_command_serves_the_proxy(provider: ProviderDouble) -> None:
 
 def test_running_sums_match_the_ledger() -> None:
     """/stats keeps sums, not records; its figures are the Ledger's over the same requests."""
-    from cacherouter.accounting import Ledger, RequestRecord, pricing_for
+    from cacherouter.models.accounting import Ledger, RequestRecord, pricing_for
+    from cacherouter.models.usage import parse_usage
     from cacherouter.proxy.stats import ProxyStats
-    from cacherouter.usage import parse_usage
 
     usages: list[dict[str, Any] | None] = [
         {"input_tokens": 10, "cache_read_input_tokens": 900, "cache_creation_input_tokens": 90, "output_tokens": 3},

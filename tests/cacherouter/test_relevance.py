@@ -11,14 +11,8 @@ from pathlib import Path
 import pytest
 from support import add_tool, make_repo
 
-from cacherouter import relevance
-from cacherouter.cli import main
-from cacherouter.errors import ConfigError
-from cacherouter.evaluation.longtail import DOMAINS, generate_repository
-from cacherouter.evaluation.retrieval import QUERIES_FILE, load_queries, unknown_labels
-from cacherouter.evaluation.runner import EVAL_REPO
-from cacherouter.registry import Registry, build_registry
-from cacherouter.relevance import (
+from cacherouter.channels import relevance
+from cacherouter.channels.relevance import (
     BM25,
     DenseRelevance,
     KeywordHitRatio,
@@ -27,7 +21,13 @@ from cacherouter.relevance import (
     names_tool,
     terms,
 )
-from cacherouter.router import RouterConfig, filter_candidates
+from cacherouter.channels.router import RouterConfig, filter_candidates
+from cacherouter.cli import main
+from cacherouter.errors import ConfigError
+from cacherouter.evaluation.longtail import DOMAINS, generate_repository
+from cacherouter.evaluation.retrieval import QUERIES_FILE, load_queries, unknown_labels
+from cacherouter.evaluation.runner import EVAL_REPO
+from cacherouter.tools.registry import Registry, build_registry
 
 WORDLLAMA_MISSING = "wordllama is not installed (pip install 'tvcache[router]'); dense relevance cannot run"
 
@@ -168,7 +168,7 @@ def test_query_set_errors_say_where(tmp_path: Path, longtail: Registry) -> None:
 
 def test_dense_on_the_bundled_wordllama_model_offline(longtail: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("wordllama", reason=WORDLLAMA_MISSING)
-    from cacherouter.relevance import WordLlamaEmbedder
+    from cacherouter.channels.relevance import WordLlamaEmbedder
 
     def no_network(*args: object, **kwargs: object) -> None:
         raise AssertionError(f"loading the model tried the network: {args[:2]}")

@@ -13,9 +13,9 @@ from support import make_repo
 
 import cacherouter
 from cacherouter.errors import SchemaError
-from cacherouter.gateway import Gateway, GatewayConfig
-from cacherouter.registry import build_registry, read_skill_file
-from cacherouter.skills import SkillParam, build_skill
+from cacherouter.tools.gateway import Gateway, GatewayConfig
+from cacherouter.tools.registry import build_registry, read_skill_file
+from cacherouter.tools.skills import SkillParam, build_skill
 
 SKILL_BUILDER = Path(cacherouter.__file__).parent / "evaldata" / "repo" / "computer-program" / "skills"
 
@@ -119,7 +119,7 @@ _RACER = '''
 import sys
 from pathlib import Path
 from cacherouter.errors import CacheRouterError
-from cacherouter.skills import build_skill
+from cacherouter.tools.skills import build_skill
 body = """import os, pathlib, time
 gate = pathlib.Path(os.environ["RACE_GATE"])
 (gate / str(os.getpid())).touch()

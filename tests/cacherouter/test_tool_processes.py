@@ -216,7 +216,7 @@ async def test_a_tool_dies_with_a_server_killed_outright(tmp_path: Path, reaper:
 
 @pytest.mark.parametrize("stop", ["cancel", "kill_running"])
 def test_run_script_returns_at_once_when_cancelled_or_killed(tmp_path: Path, reaper: list[int], stop: str) -> None:
-    from cacherouter.executor import Cancellation, kill_running, run_script
+    from cacherouter.tools.executor import Cancellation, kill_running, run_script
 
     script = probe_repo(tmp_path / "repo") / "tail" / "probe" / "probe_tool.py"
     cancel = Cancellation()
@@ -244,7 +244,7 @@ def test_run_script_returns_at_once_when_cancelled_or_killed(tmp_path: Path, rea
 
 
 def test_a_run_cancelled_before_it_starts_is_stopped_as_it_starts(tmp_path: Path) -> None:
-    from cacherouter.executor import Cancellation, run_script
+    from cacherouter.tools.executor import Cancellation, run_script
 
     script = probe_repo(tmp_path / "repo") / "tail" / "probe" / "probe_tool.py"
     cancel = Cancellation()

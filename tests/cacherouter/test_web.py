@@ -20,16 +20,16 @@ import httpx
 import pytest
 from support import make_repo, replies_since_query
 
-from cacherouter.accounting import Ledger, RecordingModel
-from cacherouter.agent import Agent
-from cacherouter.cachemodel import DeepSeekCacheModel
-from cacherouter.chat import MAX_MESSAGE_CHARS, SCRIPTED_LABEL, ChatSetup, build_chat
-from cacherouter.gateway import Gateway, GatewayConfig
-from cacherouter.mainview import MainView
-from cacherouter.models import ChatRequest, ChatResponse, ChatToolCall, ScriptedModel, SimulatedProvider
+from cacherouter.channels.agent import Agent
+from cacherouter.channels.mainview import MainView
+from cacherouter.channels.router import Router
+from cacherouter.frontends.chat import MAX_MESSAGE_CHARS, SCRIPTED_LABEL, ChatSetup, build_chat
+from cacherouter.frontends.web import MAX_BODY_BYTES, WebChat, create_app
+from cacherouter.models.accounting import Ledger, RecordingModel
+from cacherouter.models.base import ChatRequest, ChatResponse, ChatToolCall, ScriptedModel, SimulatedProvider
+from cacherouter.models.prompt_cache import DeepSeekCacheModel
 from cacherouter.prompts import NEED_TOOLS
-from cacherouter.router import Router
-from cacherouter.web import MAX_BODY_BYTES, WebChat, create_app
+from cacherouter.tools.gateway import Gateway, GatewayConfig
 from tvcache.server.runner import AppThread
 
 from browser_support import chromium, missing_browser
@@ -271,7 +271,7 @@ def test_an_unexpected_error_is_an_error_turn_not_a_500(tmp_path: Path, caplog: 
         raise KeyError("choices")  # a bug or an answer nobody expected, not a CacheRouterError
 
     with (
-        caplog.at_level(logging.ERROR, logger="cacherouter.web"),
+        caplog.at_level(logging.ERROR, logger="cacherouter.frontends.web"),
         scripted_web(tmp_path, main) as server,
         httpx.Client(base_url=server.url, timeout=30) as http,
     ):

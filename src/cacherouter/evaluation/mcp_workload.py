@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..upstreams import UpstreamConfig
+from ..tools.upstreams import UpstreamConfig
 from .suite import Action, Query, core, routed
 
 SERVERS = ("everything", "filesystem", "git", "memory", "time")

@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..channels.relevance import RANKERS, SCORERS, Ranker
+from ..channels.router import RouterConfig, filter_candidates
 from ..errors import ConfigError
-from ..registry import RegisteredTool, Registry
-from ..relevance import RANKERS, SCORERS, Ranker
-from ..router import RouterConfig, filter_candidates
+from ..tools.registry import RegisteredTool, Registry
 
 QUERIES_FILE = Path(__file__).resolve().parent / "data" / "longtail_queries.jsonl"
 SPLITS = ("all", "paraphrased", "names_tool")

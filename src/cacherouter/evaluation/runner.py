@@ -20,20 +20,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..accounting import Ledger, RecordingModel, Summary
-from ..agent import Agent, AgentConfig
-from ..cachemodel import DeepSeekCacheModel
 from ..canonical import canonical_json, render_tools
+from ..channels.agent import Agent, AgentConfig
+from ..channels.conversation import ChatSession
+from ..channels.mainview import MainView
+from ..channels.relevance import BM25
+from ..channels.router import Router, RouterConfig
 from ..errors import CacheRouterError
-from ..gateway import Gateway, GatewayConfig
-from ..mainview import MainView
-from ..models import ChatModel, ChatRequest, ChatResponse, ChatToolCall, Message, ScriptedModel, SimulatedProvider
+from ..models.accounting import Ledger, RecordingModel, Summary
+from ..models.base import ChatModel, ChatRequest, ChatResponse, ChatToolCall, Message, ScriptedModel, SimulatedProvider
+from ..models.prompt_cache import DeepSeekCacheModel
+from ..models.tokens import Tokenizer, default_tokenizer
 from ..prompts import DIRECT_ANSWER, MAIN_SYSTEM, NEED_TOOLS, ROUTER_TOOL, UNCERTAIN
-from ..relevance import BM25
-from ..router import Router, RouterConfig
-from ..session import ChatSession
-from ..tokens import Tokenizer, default_tokenizer
-from ..upstreams import UpstreamConfig
+from ..tools.gateway import Gateway, GatewayConfig
+from ..tools.upstreams import UpstreamConfig
 from .longtail import LONGTAIL, generate_repository
 from .mcp_workload import INITIAL as MCP_INITIAL
 from .mcp_workload import MCP_QUERIES, prepare_workspace, upstream_configs

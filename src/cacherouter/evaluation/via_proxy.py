@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..cachemodel import DeepSeekCacheModel
 from ..canonical import canonical_json
 from ..errors import CacheRouterError, ConfigError
-from ..models import ChatModel, ChatRequest, Message, ScriptedModel, SimulatedProvider
+from ..models.base import ChatModel, ChatRequest, Message, ScriptedModel, SimulatedProvider
+from ..models.prompt_cache import DeepSeekCacheModel
+from ..models.tokens import Tokenizer, default_tokenizer
 from ..prompts import MAIN_SYSTEM, ROUTER_SYSTEM
-from ..tokens import Tokenizer, default_tokenizer
 from .runner import EVAL_REPO, EvalGateway, MainBrain, RouterBrain
 from .suite import CORE_PACKAGES, Query
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..prompts import ROUTER_SYSTEM, ROUTER_TOOL, router_tool_definition
-from .dialect import DialectError
+from .dialect import DialectError, declared_tool
 from .openai_api import _text
 from .routing import (
     ClientTool,
@@ -57,17 +57,14 @@ class AnthropicDialect:
         out: list[ClientTool] = []
         seen: set[str] = set()
         for index, tool in enumerate(tools):
-            name = tool.get("name") if isinstance(tool, dict) else None
-            if not isinstance(name, str) or not name or name == ROUTER_TOOL or name in seen:
-                raise DialectError(f"tools[{index}]: a tool needs a unique 'name' other than {ROUTER_TOOL}")
-            seen.add(name)
-            schema = tool.get("input_schema")
             out.append(
-                ClientTool(
-                    name=name,
-                    description=str(tool.get("description") or ""),
-                    parameters=schema if isinstance(schema, dict) else {"type": "object", "properties": {}},
+                declared_tool(
+                    tool if isinstance(tool, dict) else {},
+                    schema_key="input_schema",
                     definition=tool,
+                    index=index,
+                    seen=seen,
+                    unnamed=f"a tool needs a unique 'name' other than {ROUTER_TOOL}",
                 )
             )
         return out

@@ -44,10 +44,10 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..channels.relevance import make_ranker
+from ..channels.router import RouterConfig, compress_task, filter_candidates, router_arguments
 from ..errors import ConfigError
 from ..prompts import ROUTER_TOOL
-from ..relevance import make_ranker
-from ..router import RouterConfig, compress_task, filter_candidates, router_arguments
 from .dialect import Dialect, DialectError
 from .routing import (
     Answered,

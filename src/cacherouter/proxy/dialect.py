@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from ..prompts import ROUTER_TOOL
 from .routing import ClientTool, ProviderCall, TurnStore
 
 Json = dict[str, Any]
@@ -17,6 +18,28 @@ Json = dict[str, Any]
 
 class DialectError(ValueError):
     """A request the proxy cannot rewrite (it answers 400 with this message)."""
+
+
+def declared_tool(
+    fields: Json, *, schema_key: str, definition: Json, index: int, seen: set[str], unnamed: str
+) -> ClientTool:
+    """One tool of the client's ``tools`` array, from the object holding its name, description and schema (each
+    dialect finds that object in its own way).
+
+    Every name is unique in the array and never INTERNAL_ROUTER's (else ``tools[index]: unnamed``, and ``seen``
+    collects the names); a tool without an object schema takes no parameters.
+    """
+    name = fields.get("name")
+    if not isinstance(name, str) or not name or name == ROUTER_TOOL or name in seen:
+        raise DialectError(f"tools[{index}]: {unnamed}")
+    seen.add(name)
+    schema = fields.get(schema_key)
+    return ClientTool(
+        name=name,
+        description=str(fields.get("description") or ""),
+        parameters=schema if isinstance(schema, dict) else {"type": "object", "properties": {}},
+        definition=definition,
+    )
 
 
 class Dialect(Protocol):

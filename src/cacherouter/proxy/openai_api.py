@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..prompts import ROUTER_SYSTEM, ROUTER_TOOL, router_tool_definition
-from .dialect import DialectError
+from .dialect import DialectError, declared_tool
 from .routing import (
     ClientTool,
     ProviderCall,
@@ -65,17 +65,14 @@ class OpenAIDialect:
                 raise DialectError(
                     f"tools[{index}]: the proxy routes function tools only ({{'type': 'function', 'function': ...}})"
                 )
-            name = function.get("name")
-            if not isinstance(name, str) or not name or name == ROUTER_TOOL or name in seen:
-                raise DialectError(f"tools[{index}]: a function needs a unique name other than {ROUTER_TOOL}")
-            seen.add(name)
-            parameters = function.get("parameters")
             out.append(
-                ClientTool(
-                    name=name,
-                    description=str(function.get("description") or ""),
-                    parameters=parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}},
+                declared_tool(
+                    function,
+                    schema_key="parameters",
                     definition=tool,
+                    index=index,
+                    seen=seen,
+                    unnamed=f"a function needs a unique name other than {ROUTER_TOOL}",
                 )
             )
         return out

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..canonical import canonical_json
+from ..channels.relevance import Ranker
+from ..channels.router import RouterConfig, filter_candidates
 from ..prompts import ROUTER_TOOL
-from ..registry import RegisteredTool
-from ..relevance import Ranker
-from ..router import RouterConfig, filter_candidates
+from ..tools.registry import RegisteredTool
 
 ROUTED_PREFIX = "crr1_"
 DETERMINISTIC = "deterministic retrieval (no router model configured)"

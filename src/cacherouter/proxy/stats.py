@@ -1,11 +1,11 @@
 """The proxy's accounting: every provider response's usage, per session and in total, for ``/stats`` and ``/metrics``.
 
-Usage is read with :func:`cacherouter.usage.parse_usage` (both APIs' fields: OpenAI's
+Usage is read with :func:`cacherouter.models.usage.parse_usage` (both APIs' fields: OpenAI's
 ``prompt_tokens_details.cached_tokens``, DeepSeek's ``prompt_cache_hit_tokens``, Anthropic's
 ``cache_read_input_tokens`` / ``cache_creation_input_tokens`` / ``input_tokens``) and priced with
-:mod:`cacherouter.accounting` (relative input cost: one uncached input token = 1; unknown when the provider's prices
-are unknown, e.g. a self-hosted vLLM). Sessions are kept in a bounded LRU; the totals count every request ever
-seen, evicted sessions included.
+:mod:`cacherouter.models.accounting` (relative input cost: one uncached input token = 1; unknown when the
+provider's prices are unknown, e.g. a self-hosted vLLM). Sessions are kept in a bounded LRU; the totals count every
+request ever seen, evicted sessions included.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ..accounting import RequestRecord, pricing_for
-from ..usage import parse_usage
+from ..models.accounting import RequestRecord, pricing_for
+from ..models.usage import parse_usage
 
 
 @dataclass
 class SessionStats:
     """Running sums (never a list of records: a long-running proxy must not grow with every request).
 
-    The figures follow :meth:`cacherouter.accounting.Ledger.summary`: only requests whose provider reported its
+    The figures follow :meth:`cacherouter.models.accounting.Ledger.summary`: only requests whose provider reported its
     cached tokens count towards the token sums; one request at an unknown price makes the cost unknown.
     """
 

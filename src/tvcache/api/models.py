@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from ..cache import MAX_TASK_ID
+from ..calls import MAX_TASK_ID
 
 __all__ = [
     "ActivityOut",

@@ -21,7 +21,7 @@ from typing import Any
 from ..calls import ToolCall
 from ..protocol import Snapshot
 from . import latency_stats as _stats
-from . import overlay_scratch
+from . import overlay_scratch, write_figures
 
 
 def make_tree(root: Path, total_bytes: int) -> Path:
@@ -101,9 +101,7 @@ def run(
                 f"{snap['p50_ms']:>6.2f} / {snap['p95_ms']:>6.2f} ms | "
                 f"{copy['p50_ms']:>9.1f} / {copy['p95_ms']:>7.1f} ms | {row['copy_over_overlay_fork_p50']:,.0f}x"
             )
-    if json_path:
-        Path(json_path).write_text(json.dumps(figures, indent=2))
-        print(f"wrote {json_path}")
+    write_figures(figures, json_path)
     return figures
 
 

@@ -13,20 +13,18 @@ Bytes per node are measured with tracemalloc while building, less the result str
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import statistics
 import sys
 import time
 import tracemalloc
-from pathlib import Path
 from typing import Any
 
 from ..cache import Cache
-from ..calls import ToolCall, ToolSpec
+from ..calls import ToolCall
 from ..graph import ToolCallGraph
-from ..protocol import Sandbox, Snapshot
 from ..store.local import LocalStore
+from . import HitsOnly, write_figures
 
 DEPTHS = (1, 2, 4, 8, 16, 32, 64)
 COMMANDS = ("cat src/main.py", "make -j2", "pytest -x tests/", "git diff", "sed -i s/a/b/ f.py", "ls -la")
@@ -80,28 +78,12 @@ def _percentiles(samples_ns: list[int]) -> dict[str, float]:
     }
 
 
-class _NoSandbox:
-    """Every call in the session benchmark hits, so no sandbox is ever started; this one refuses to."""
-
-    kind = "bench"
-    tools = {"sh": ToolSpec(name="sh", deterministic=True)}  # every call hits: nothing to check
-
-    async def start(self) -> Sandbox:
-        raise AssertionError("a hit must not start a sandbox")
-
-    async def fork(self, snapshot: Snapshot) -> Sandbox:
-        raise AssertionError("a hit must not fork a sandbox")
-
-    def discard(self, snapshot: Snapshot) -> None:
-        pass
-
-
 async def _session_hits(cache: Cache, history: list[ToolCall], repeats: int) -> list[int]:
     """Time the last call of ``history`` in fresh sessions that hit all the way down."""
     samples = []
     arguments = [call.arguments for call in history]
     for _ in range(repeats):
-        async with cache.session("bench", sandbox=_NoSandbox()) as session:
+        async with cache.session("bench", sandbox=HitsOnly("sh")) as session:
             for call, args in zip(history[:-1], arguments[:-1], strict=True):
                 await session.call(call.name, args)
             began = time.perf_counter_ns()
@@ -166,7 +148,5 @@ def run(*, nodes: int = 100_000, repeats: int = 2000, seed: int = 0, json_path: 
         "depths": rows,
         "python": sys.version.split()[0],
     }
-    if json_path:
-        Path(json_path).write_text(json.dumps(figures, indent=2))
-        print(f"\nwrote {json_path}")
+    write_figures(figures, json_path, blank_line=True)
     return figures

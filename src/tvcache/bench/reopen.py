@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..calls import ToolSpec, canonical_json
-from ..protocol import Sandbox, Snapshot
+from ..calls import canonical_json
+from . import HitsOnly, write_figures
 
 DEPTH = 16
 ROUNDS = 3
@@ -145,22 +145,6 @@ def append_tail(directory: Path, *, calls: int, tasks: list[_Task], seed: int) -
 # ------------------------------------------------------------------------------------- the measuring child
 
 
-class _NoSandbox:
-    """Every call measured hits, so no sandbox is ever started; this one refuses to."""
-
-    kind = "bench"
-    tools = {"sql": ToolSpec(name="sql", deterministic=True)}
-
-    async def start(self) -> Sandbox:
-        raise AssertionError("a hit must not start a sandbox")
-
-    async def fork(self, snapshot: Snapshot) -> Sandbox:
-        raise AssertionError("a hit must not fork a sandbox")
-
-    def discard(self, snapshot: Snapshot) -> None:
-        pass
-
-
 def _rss_mib() -> float:
     with open("/proc/self/status") as status:
         for line in status:
@@ -183,7 +167,7 @@ def measure(directory: str, task: str, history: list[dict[str, Any]]) -> dict[st
         """The first lookup from the session's start (which finds the task's graph), then the next one."""
         seconds = []
         began = time.perf_counter()
-        async with cache.session(task, sandbox=_NoSandbox()) as session:
+        async with cache.session(task, sandbox=HitsOnly("sql")) as session:
             for call in history[:2]:
                 result = await session.call(call["name"], call["arguments"])
                 seconds.append(time.perf_counter() - began)
@@ -320,7 +304,5 @@ def run(*, calls: int, tasks: int = 64, tail: int | None = None, seed: int = 0, 
         "median": median,
         "python": sys.version.split()[0],
     }
-    if json_path:
-        Path(json_path).write_text(json.dumps(figures, indent=2))
-        print(f"\nwrote {json_path}")
+    write_figures(figures, json_path, blank_line=True)
     return 0

@@ -40,7 +40,7 @@ from typing import Any
 
 from ..calls import ToolCall
 from . import latency_stats as _stats
-from . import overlay_scratch
+from . import overlay_scratch, write_figures
 
 COMMANDS = ("true", "echo x > f", "cat f")
 
@@ -488,7 +488,5 @@ def run(
                 print(f"  {gap:<9} {'before/now':<44} {rows['before_over_now_p50']:>7.2f}x")
             figures["breakdown"] = _breakdown(base, scratch, max(5, repeats // 2))
             _print_breakdown(figures["breakdown"])
-    if json_path:
-        Path(json_path).write_text(json.dumps(figures, indent=2))
-        print(f"wrote {json_path}")
+    write_figures(figures, json_path)
     return figures

@@ -9,10 +9,7 @@ specs and counters. See ``tvcache.store.http`` for the replica, server instances
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import Any, Unpack
 
 from ..cache import Cache
 from ..calls import ToolSpec
@@ -20,7 +17,7 @@ from ..errors import ClaimLost, ReplicaDropped, ServerError
 from ..policies import SnapshotPolicy
 from ..protocol import SandboxFactory
 from ..session import Session
-from ..store.http import INSTANCE_HEADER, HttpStore, RemoteLease
+from ..store.http import INSTANCE_HEADER, HttpStore, HttpStoreOptions, RemoteLease
 
 __all__ = ["INSTANCE_HEADER", "ClaimLost", "RemoteCache", "RemoteLease", "ReplicaDropped", "ServerError"]
 
@@ -32,6 +29,8 @@ class RemoteCache(Cache):
         async with cache.session("task-1", sandbox=factory) as s:
             await s.call("sh", {"cmd": "make"})
 
+    The options of its store are ``HttpStore``'s (``HttpStoreOptions``, with their defaults there): ``token``,
+    ``timeout``, ``wait_timeout`` and these.
     ``snapshot_dir``: where this client's sandboxes write snapshots (default: a private temporary directory;
     point all clients on a machine at one shared directory so they can fork each other's snapshots).
     ``claim_ttl``: how long the server waits for this client's heartbeat before letting another client take
@@ -46,30 +45,13 @@ class RemoteCache(Cache):
         self,
         url: str,
         *,
-        token: str | None = None,
         tools: Iterable[ToolSpec] = (),
         snapshot_policy: SnapshotPolicy | None = None,
-        snapshot_dir: str | Path | None = None,
         audit_rate: float = 0.0,
         audit_seed: int | None = 0,
-        timeout: float = 60.0,
-        claim_ttl: float = 30.0,
-        wait_timeout: float = 10.0,
-        transport: httpx.BaseTransport | None = None,
-        async_transport: httpx.AsyncBaseTransport | None = None,
-        epoch: int | None = None,
+        **options: Unpack[HttpStoreOptions],
     ) -> None:
-        self.http = HttpStore(
-            url,
-            token=token,
-            snapshot_dir=snapshot_dir,
-            timeout=timeout,
-            claim_ttl=claim_ttl,
-            wait_timeout=wait_timeout,
-            transport=transport,
-            async_transport=async_transport,
-            epoch=epoch,
-        )
+        self.http = HttpStore(url, **options)
         super().__init__(
             store=self.http, tools=tools, snapshot_policy=snapshot_policy, audit_rate=audit_rate, audit_seed=audit_seed
         )

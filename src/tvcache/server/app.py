@@ -2,7 +2,7 @@
 see docs/server.md), pydantic validation, bearer-token auth, request size limits, an OpenAPI document built from
 the same models that validate requests, Prometheus metrics and the reference TVCache routes.
 
-The native routes are the one table ``tvcache.api.routes.ROUTES`` (served through ``routes.Dispatcher``, which
+The native routes are the one table ``tvcache.api.routes.ROUTES`` (served through ``dispatch.Dispatcher``, which
 Ray's shard actors use too). Errors are JSON ``{"error": {"type": ..., "message": ...}}`` with the statuses of the
 one table ``tvcache.api.errors``: 422 for a body or query that does not fit the schema (with pydantic's list of
 problems), 400 for a value the cache cannot accept, 404 for an unknown node, claim or lease, 401 for a missing or
@@ -43,13 +43,15 @@ from ..api.errors import (
     VALIDATION,
     ErrorCode,
 )
+from ..api.params import parse_query
 from ..api.routes import Route as ApiRoute
+from ..defaults import MAX_BODY_BYTES
 from .dashboard import OPEN_PATHS, dashboard_routes
+from .dispatch import Dispatcher, Refused, Reply, dumps, refusal, refused
 from .hot import HotRoutes
 from .metrics import Histogram, render
-from .routes import Dispatcher, Refused, Reply, dumps, refusal, refused
 from .service import CacheService
-from .wire import WIRE_ROUTES, WireCompat, WireRoute, parse_query
+from .wire import WIRE_ROUTES, WireCompat, WireRoute
 
 __all__ = ["Guard", "ServerSettings", "create_app"]
 
@@ -59,7 +61,7 @@ class ServerSettings:
     """Limits and policies of one server process."""
 
     token: str | None = None
-    max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes: int = MAX_BODY_BYTES
     max_query_bytes: int = 1024 * 1024
     sweep_interval: float = 1.0
 
@@ -116,7 +118,7 @@ class Server:
 
     # -------------------------------------------------------------- endpoints
 
-    def native_endpoint(self, route: ApiRoute) -> Callable[[Request], Awaitable[Response]]:
+    def native_endpoint(self, route: ApiRoute[Any]) -> Callable[[Request], Awaitable[Response]]:
         limit = self.settings.max_body_bytes
         answer = self.dispatcher.answer
 
@@ -233,7 +235,7 @@ class Server:
             response = ref(reply) if isinstance(reply, type) else {"type": reply}
             # task_id first, as clients read it (the table lists parameters in the order they are checked)
             names = sorted((p for p in route.query), key=lambda p: p.name != "task_id")
-            parameters = [query(p.name, required=p.default is None) for p in names]
+            parameters = [query(p.name, required=p.required) for p in names]
             paths.setdefault(route.path, {})[route.method.lower()] = operation(
                 route.summary,
                 response,

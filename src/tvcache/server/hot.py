@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
-from .routes import Reply
-from .wire import WIRE_ROUTES, WireRoute, parse_query
+from ..api.params import parse_query
+from .dispatch import Reply
+from .wire import WIRE_ROUTES, WireRoute
 
 if TYPE_CHECKING:
     from ..api.routes import Route
-    from .routes import Dispatcher
+    from .dispatch import Dispatcher
 
 __all__ = ["HOT", "MAX_HOT_BODY", "Framed", "HotRequest", "HotRoutes", "RawQuery"]
 
@@ -151,7 +152,7 @@ class HotRoutes:
 
         return answer
 
-    def _native_answer(self, route: Route) -> Callable[[HotRequest, bytes], Reply]:
+    def _native_answer(self, route: Route[Any]) -> Callable[[HotRequest, bytes], Reply]:
         dispatcher = self.dispatcher
         if route.body is None or route.query or dispatcher.is_async(route):
             raise ValueError(f"{route.path}: a hot native route takes a body, no query, and answers at once")

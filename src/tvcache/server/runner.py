@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import ipaddress
-import os
 import signal
 import socket
 import subprocess
@@ -23,6 +22,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from ..api.errors import BAD_REQUEST, QUERY_TOO_LARGE, ErrorCode, error_body
+from ..defaults import CLAIM_TTL, LEASE_TTL, MAX_BODY_BYTES, env_token
 from ..errors import InvalidInput
 from ..policies import Budget
 from .app import Guard, ServerSettings, create_app
@@ -211,9 +211,9 @@ def serve(
     token: str | None = None,
     budget: Budget | None = None,
     fsync: bool = False,
-    claim_ttl: float = 30.0,
-    lease_ttl: float = 600.0,
-    max_body_bytes: int = 16 * 1024 * 1024,
+    claim_ttl: float = CLAIM_TTL,
+    lease_ttl: float = LEASE_TTL,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> None:
     """Serve until SIGINT/SIGTERM. Refuses a non-loopback ``host`` without a token."""
     check_token(host, token)
@@ -323,7 +323,7 @@ class ServerThread(AppThread):
 
 
 def default_token() -> str | None:
-    return os.environ.get("TVCACHE_TOKEN") or None
+    return env_token()
 
 
 class InProcessTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):

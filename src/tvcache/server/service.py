@@ -27,22 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from ..cache import Cache
-from ..calls import ToolCall, canonical_json
-from ..errors import InvalidInput, InvalidToolCall, NotFound, ServerBusy
+from ..calls import ToolCall, check_task_id
+from ..defaults import CLAIM_TTL, LEASE_TTL
+from ..errors import InvalidInput, NotFound, ServerBusy
 from ..graph import Lease, Node, ToolCallGraph, snapshot_key
 from ..policies import Budget
 from ..protocol import Outcome, Snapshot
 from ..store.inflight import ClaimKey, Inflight
-from ..store.local import LocalStore, check_task_id
+from ..store.local import LocalStore
 from ..store.protocol import Attached
 from . import models as m
 from .activity import Activity, Tally
+from .wire_compat import WIRE_TOOL, ReleaseHooks, check_wire_insert
 
-__all__ = ["WIRE_TOOL", "CacheService", "NotFound", "ServerBusy", "check_wire_insert", "decode_value"]
-
-# The reference wire format's calls (``tvcache.server.wire``): the native insert route refuses one that wire
-# readers could not serve, so the rule lives here, below both.
-WIRE_TOOL = "tvcache.wire"
+__all__ = ["CacheService", "NotFound", "ServerBusy"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,54 +69,7 @@ class HeldLease:
     lease: Lease
     task_id: str
     expires: float
-    tag: str | None = None  # the reference wire format's env id, for /unref
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-# Built once, as ``json.loads(text, parse_constant=...)`` would build it on every call (each /get hit reads one).
-_VALUE_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
-
-
-def _parse_value(text: str) -> Any:
-    """The JSON value ``text`` holds, or ValueError: not JSON, a non-finite number, or a value the cache could
-    not store itself (too deep, a huge integer, a lone surrogate) -- exactly what ``PUT /put`` accepts."""
-    try:
-        value = _VALUE_DECODER.decode(text)
-        canonical_json(value)
-    except (ValueError, RecursionError, InvalidToolCall) as error:
-        raise ValueError(str(error) or type(error).__name__) from None
-    return value
-
-
-def decode_value(text: str) -> Any:
-    """A wire node's value. Nodes written through ``PUT /put`` hold canonical JSON; a record that does not (one
-    written before ``/v1/insert`` checked it, or edited by hand) is served as its text, so one client's bad data
-    never breaks another client's reads."""
-    try:
-        return _parse_value(text)
-    except ValueError:
-        return text
-
-
-def check_wire_insert(name: str, arguments: dict[str, Any], output: str) -> None:
-    """Refuse a native ``/v1/insert`` of a ``tvcache.wire`` call that wire readers could not serve: the wire format
-    reads the call's string from ``arguments["call"]`` and decodes the output as a JSON value."""
-    if name != WIRE_TOOL:
-        return
-    if set(arguments) != {"call"} or not isinstance(arguments["call"], str):
-        raise InvalidInput(
-            f'a {WIRE_TOOL!r} call takes exactly one argument, "call", the reference client\'s call string'
-        )
-    try:
-        _parse_value(output)
-    except ValueError as error:
-        raise InvalidInput(
-            f"the output of a {WIRE_TOOL!r} call is the value the wire format serves, so it must be JSON text "
-            f"(encode a string as a JSON string); this one is not: {error}"
-        ) from None
+    tag: str | None = None  # the wire format's env id, for /unref (``wire_compat``)
 
 
 def to_call(call: m.CallIn) -> ToolCall:
@@ -158,8 +109,8 @@ class CacheService:
         *,
         budget: Budget | None = None,
         fsync: bool = False,
-        claim_ttl: float = 30.0,
-        lease_ttl: float = 600.0,
+        claim_ttl: float = CLAIM_TTL,
+        lease_ttl: float = LEASE_TTL,
         max_held: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -183,7 +134,7 @@ class CacheService:
         self._claims_by_id: dict[str, HeldClaim] = {}
         self.leases: dict[str, HeldLease] = {}
         # Run after each lease is released (expiry included): the wire format evicts what only a lease kept.
-        self.release_hooks: list[Callable[[HeldLease], None]] = []
+        self.release_hooks: ReleaseHooks[HeldLease] = ReleaseHooks()
         self.activity = Activity(tracked=self.cache.__contains__)
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -297,7 +248,7 @@ class CacheService:
 
     def insert(self, body: m.InsertIn) -> m.InsertOut:
         call = to_call(body.call)
-        if call.name == "tvcache.wire":  # wire readers serve this node: it must be what PUT /put would store
+        if call.name == WIRE_TOOL:  # wire readers serve this node: it must be what PUT /put would store
             check_wire_insert(call.name, call.arguments, body.output)
         graph, parent = self.write_target(body.task_id, body.parent)
         existing = parent.step(call)
@@ -503,8 +454,7 @@ class CacheService:
         if held is None:
             return False
         self.store.release(held.lease)
-        for hook in self.release_hooks:
-            hook(held)
+        self.release_hooks.run(held)
         return True
 
     def sweep(self) -> int:

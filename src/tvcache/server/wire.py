@@ -23,17 +23,18 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any
 
 from pydantic import Field
 
-from ..calls import ToolCall, canonical_json
+from ..api.params import Param
+from ..calls import MAX_TASK_ID, ToolCall, canonical_json
 from ..errors import InvalidInput, InvalidToolCall
 from ..graph import Node, ToolCallGraph
 from ..protocol import Outcome, Snapshot
-from ..store.local import MAX_TASK_ID
 from . import models as m
-from .service import WIRE_TOOL, CacheService, HeldLease, NotFound, check_wire_insert, decode_value
+from .service import CacheService, HeldLease, NotFound
+from .wire_compat import WIRE_TOOL, check_wire_insert, decode_value
 
 __all__ = [
     "ENV_KIND",
@@ -167,7 +168,7 @@ class WireCompat:
         self.service = service
         self._confirmed: set[str] = set()  # lease ids a /should_fork has confirmed
         self._pending: dict[str, list[str]] = {}  # task -> env ids evicted when a lease went, for the next PUT
-        service.release_hooks.append(self._released)
+        service.release_hooks.add(self._released)
 
     # ------------------------------------------------------------------ helpers
 
@@ -541,17 +542,6 @@ Answer = dict[str, Any] | tuple[int, dict[str, Any]]
 
 
 @dataclass(frozen=True, kw_only=True)
-class Query:
-    """A query parameter: given once (``repeated``: any number of times, in order), as text or an integer."""
-
-    name: str
-    required: bool = True
-    repeated: bool = False
-    integer: bool = False
-    default: Any = None
-
-
-@dataclass(frozen=True, kw_only=True)
 class WireRoute:
     """One reference route: the app, its OpenAPI document and the tests are built from ``WIRE_ROUTES``.
     ``call(wire, request, header)`` gets the validated body (``body`` routes) or the parsed query (a dict)."""
@@ -561,49 +551,20 @@ class WireRoute:
     summary: str
     call: Callable[[WireCompat, Any, str | None], Answer]
     body: type[m.Request] | None = None
-    query: tuple[Query, ...] = ()
+    query: tuple[Param, ...] = ()
     timed: bool = False  # observed in the lookup latency histogram
 
 
 MAX_K = 1_000_000_000
 
 
-class QueryValues(Protocol):
-    """A query string's parameters: Starlette's ``QueryParams``, or the hot path's ``hot.RawQuery``."""
-
-    def getlist(self, key: str) -> list[str]: ...
-
-
-def parse_query(params: QueryValues, spec: tuple[Query, ...]) -> dict[str, Any]:
-    """The declared parameters of a query string, or InvalidInput (HTTP 400) naming what is wrong."""
-    parsed: dict[str, Any] = {}
-    for query in spec:
-        values = params.getlist(query.name)
-        if query.repeated:
-            parsed[query.name] = values
-            if query.required and not values:
-                raise InvalidInput(f"query parameter {query.name!r} is required (repeat it once per call, in order)")
-            continue
-        if len(values) > 1:
-            raise InvalidInput(f"query parameter {query.name!r} is given {len(values)} times; give it once")
-        if not values or values[0] == "":
-            if query.required:
-                raise InvalidInput(f"query parameter {query.name!r} is required")
-            parsed[query.name] = query.default
-            continue
-        value: Any = values[0]
-        if query.integer:
-            if not (value.isascii() and value.isdigit()) or int(value) > MAX_K:
-                raise InvalidInput(
-                    f"query parameter {query.name!r} must be an integer from 0 to {MAX_K}, got {value!r:.40}"
-                )
-            value = int(value)
-        parsed[query.name] = value
-    return parsed
+def _query(name: str, **options: Any) -> Param:
+    """A parameter read as the original release reads it (``tvcache.api.params``)."""
+    return Param(name=name, reference=True, **options)
 
 
-_TASK = Query(name="task_name")
-_CALLS = Query(name="tool_calls", repeated=True)
+_TASK = _query("task_name")
+_CALLS = _query("tool_calls", repeated=True)
 
 WIRE_ROUTES: tuple[WireRoute, ...] = (
     WireRoute(
@@ -636,13 +597,13 @@ WIRE_ROUTES: tuple[WireRoute, ...] = (
               call=lambda w, q, h: w.get_all_envs(q["task_name"], h)),
     WireRoute(
         method="GET", path="/get_hot_nodes", summary="histories with more than k cached calls after them",
-        query=(Query(name="k", required=False, integer=True, default=1),),
+        query=(_query("k", required=False, integer=True, default=1, high=MAX_K),),
         call=lambda w, q, h: w.get_hot_nodes(q["k"]),
     ),
     WireRoute(method="GET", path="/check_env_marked", summary="whether a node holds an env",
-              query=(Query(name="env_id"),), call=lambda w, q, h: w.check_env_marked(q["env_id"], h)),
+              query=(_query("env_id"),), call=lambda w, q, h: w.check_env_marked(q["env_id"], h)),
     WireRoute(method="GET", path="/visualize", summary="the trees as nested JSON",
-              query=(Query(name="path", required=False),), call=lambda w, q, h: w.visualize(q["path"])),
+              query=(_query("path", required=False),), call=lambda w, q, h: w.visualize(q["path"])),
 )  # fmt: skip
 
 

@@ -40,7 +40,7 @@ from typing import Any
 from ..calls import DIGEST_BYTES, ToolCall
 from ..errors import InvalidToolCall, JournalError
 from ..graph import ToolCallGraph
-from ..journal import Prefix
+from ..journal import Prefix, fsync_directory
 from ..private_storage import FILE_MODE
 from ..protocol import Snapshot
 from ..recovery import LoadNotes
@@ -398,7 +398,7 @@ class CheckpointWriter:
                 os.close(self._fd)
                 self._fd = -1
                 os.replace(self.directory / PARTIAL, self.directory / FILE)
-                _fsync_directory(self.directory)
+                fsync_directory(self.directory)
             except (OSError, ValueError, TypeError) as error:
                 self._fail(error)
         if self.error is not None:
@@ -427,11 +427,3 @@ def _write_all(fd: int, data: bytes) -> None:
         if written == 0:
             raise OSError(28, "no byte written")
         view = view[written:]
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

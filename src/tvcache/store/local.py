@@ -29,10 +29,10 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
-from ..calls import ToolCall, canonical_json, stable_digest
-from ..errors import InvalidTaskId, InvalidToolCall, JournalError, SandboxError
+from ..calls import MAX_TASK_ID, ToolCall, canonical_json, check_task_id, stable_digest
+from ..errors import InvalidToolCall, JournalError, SandboxError
 from ..graph import Lease, MatchResult, Node, ToolCallGraph
 from ..journal import Journal, JournalWarning
 from ..policies import Budget, CostModel, EvictionPolicy, LowReuseFirst, SnapshotPolicy
@@ -45,7 +45,7 @@ from . import durable
 from .checkpoint import Checkpoint
 from .inflight import ClaimKey, Inflight, check_key
 from .owners import SnapshotOwners
-from .protocol import Attached, Claim, Dropped, StoreStats, TestLookup
+from .protocol import Attached, Claim, Dropped, StoreStats, TestLookup, check_output
 from .records import (
     CheckedRecord,
     ClearRecord,
@@ -58,19 +58,18 @@ from .records import (
     TestRecord,
 )
 
-__all__ = ["MAX_TASK_ID", "LocalStore", "check_task_id"]
-
-MAX_TASK_ID = 1024
+__all__ = ["MAX_TASK_ID", "LocalStore", "LocalStoreOptions", "check_task_id"]  # the task id rule: ``tvcache.calls``
 
 
-def check_task_id(task_id: object) -> None:
-    """InvalidTaskId unless ``task_id`` is a non-empty string of at most ``MAX_TASK_ID`` characters, no NUL."""
-    if not isinstance(task_id, str) or not task_id or len(task_id) > MAX_TASK_ID:
-        raise InvalidTaskId(
-            f"task id must be a non-empty string of at most {MAX_TASK_ID} characters, got {task_id!r:.80}"
-        )
-    if "\x00" in task_id:
-        raise InvalidTaskId("task id must not contain NUL characters")
+class LocalStoreOptions(TypedDict, total=False):
+    """``LocalStore``'s keyword options besides its policies (defaults and meaning there), for what opens one
+    (``Cache``)."""
+
+    fsync: bool
+    compact_on_open: bool
+    clock: Callable[[], float]
+    discard: Callable[[Snapshot], None] | None
+    verify_snapshots: bool
 
 
 class LocalStore:
@@ -97,10 +96,10 @@ class LocalStore:
         self._nondeterministic: dict[str, str] = {}
         self._nondeterministic_in: dict[str, dict[str, str]] = {}
         # (task, tool) pairs whose first-hit check has been done or is running; those done and agreeing are
-        # journaled (``_checked``), so a reopened cache — a proxy runs one process per connection — does not
+        # journaled (``_checks_passed``), so a reopened cache — a proxy runs one process per connection — does not
         # start a sandbox on every open just to check again what it already checked.
-        self._verified: set[tuple[str, str]] = set()
-        self._checked: set[tuple[str, str]] = set()
+        self._checks_claimed: set[tuple[str, str]] = set()
+        self._checks_passed: set[tuple[str, str]] = set()
         self.inflight: Inflight[Node | None] = Inflight()
         self.owners = SnapshotOwners(discard=discard)
         self.verify_snapshots = verify_snapshots
@@ -252,13 +251,7 @@ class LocalStore:
     def record(
         self, graph: ToolCallGraph, state: Node, call: ToolCall, outcome: Outcome, *, seconds: float, read_only: bool
     ) -> Node:
-        try:
-            outcome.output.encode()
-        except UnicodeEncodeError as error:
-            raise SandboxError(
-                f"the sandbox returned output for {call} that is not valid Unicode ({error.reason}); backends "
-                "must decode tool output with errors='replace'"
-            ) from error
+        check_output(call, outcome)
         with self._lock:
             existing = state.step(call)
             if existing is not None:
@@ -507,16 +500,16 @@ class LocalStore:
         """Lift one mark in memory (the caller journals it, or is replaying the journal)."""
         if task_id is None:
             self._nondeterministic.pop(tool, None)
-            self._verified = {pair for pair in self._verified if pair[1] != tool}
-            self._checked = {pair for pair in self._checked if pair[1] != tool}
+            self._checks_claimed = {pair for pair in self._checks_claimed if pair[1] != tool}
+            self._checks_passed = {pair for pair in self._checks_passed if pair[1] != tool}
             return
         tools = self._nondeterministic_in.get(task_id)
         if tools is not None:
             tools.pop(tool, None)
             if not tools:
                 del self._nondeterministic_in[task_id]
-        self._verified.discard((task_id, tool))  # cached again: its next first hit is checked again
-        self._checked.discard((task_id, tool))
+        self._checks_claimed.discard((task_id, tool))  # cached again: its next first hit is checked again
+        self._checks_passed.discard((task_id, tool))
 
     def nondeterministic_marks(self, task_id: str | None = None) -> list[NondeterminismMark]:
         with self._lock:
@@ -542,25 +535,25 @@ class LocalStore:
     def claim_check(self, task_id: str, tool: str) -> bool:
         with self._lock:
             key = (task_id, tool)
-            if key in self._verified:
+            if key in self._checks_claimed:
                 return False
-            self._verified.add(key)
+            self._checks_claimed.add(key)
             return True
 
     def pass_check(self, task_id: str, tool: str) -> None:
         with self._lock:
-            if (task_id, tool) in self._checked:
+            if (task_id, tool) in self._checks_passed:
                 return
             try:
                 self.append(CheckedRecord(task_id=task_id, tool=tool))
             except JournalError as error:  # losing it costs one more check after a reopen, never a wrong answer
                 warnings.warn(f"{error} (a passed first-hit check stays in memory only)", JournalWarning, stacklevel=3)
                 return
-            self._checked.add((task_id, tool))
+            self._checks_passed.add((task_id, tool))
 
     def release_check(self, task_id: str, tool: str) -> None:
         with self._lock:
-            self._verified.discard((task_id, tool))
+            self._checks_claimed.discard((task_id, tool))
 
     # ------------------------------------------------------------- durability
 
@@ -580,8 +573,8 @@ class LocalStore:
                 self._nondeterministic_in.setdefault(record.task_id, {})[record.tool] = record.reason
         elif isinstance(record, CheckedRecord):
             check_task_id(record.task_id)
-            self._verified.add((record.task_id, record.tool))
-            self._checked.add((record.task_id, record.tool))
+            self._checks_claimed.add((record.task_id, record.tool))
+            self._checks_passed.add((record.task_id, record.tool))
         elif isinstance(record, ClearRecord):
             if record.task_id is not None:
                 check_task_id(record.task_id)
@@ -592,7 +585,7 @@ class LocalStore:
     def checked(self) -> list[tuple[str, str]]:
         """The (task, tool) pairs whose first-hit check passed and was journaled, sorted."""
         with self._lock:
-            return sorted(self._checked)
+            return sorted(self._checks_passed)
 
     def records(self) -> Iterator[Record]:
         """The current state as journal records (what compaction writes)."""

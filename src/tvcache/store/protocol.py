@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from ..errors import SandboxError
 from ..graph import Lease, Node, ToolCallGraph
 from ..protocol import Outcome, SandboxFactory, Snapshot
 from ..results import NondeterminismMark
@@ -33,7 +34,19 @@ if TYPE_CHECKING:
     from ..calls import ToolCall
     from ..policies import CostModel, SnapshotPolicy
 
-__all__ = ["Attached", "Claim", "Dropped", "GraphStore", "StoreStats", "TestLookup"]
+__all__ = ["Attached", "Claim", "Dropped", "GraphStore", "StoreStats", "TestLookup", "check_output"]
+
+
+def check_output(call: ToolCall, outcome: Outcome) -> None:
+    """SandboxError unless ``outcome``'s output is valid Unicode: what every store's ``record`` refuses first."""
+    try:
+        outcome.output.encode()
+    except UnicodeEncodeError as error:
+        raise SandboxError(
+            f"the sandbox returned output for {call} that is not valid Unicode ({error.reason}); backends "
+            "must decode tool output with errors='replace'"
+        ) from error
+
 
 V = TypeVar("V")
 

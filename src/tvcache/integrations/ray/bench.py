@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from ...api import routes
 from ...bench.load import LoadFigures, measure, offer
 from ...bench.server import Pool, bench_keys, free_port, native_request, populate, start_server, wait_healthy
 from ...client.sharding import rendezvous
@@ -56,7 +57,9 @@ async def _populate_ray(actors: list[Any], names: list[str], keys: list[tuple[st
                     "seconds": 1.0,
                     "read_only": False,
                 }
-                status, answer = await actor.request.remote("POST", "/v1/insert", json.dumps(body).encode(), None)
+                status, answer = await actor.request.remote(
+                    routes.INSERT.method, routes.INSERT.path, json.dumps(body).encode(), None
+                )
                 if status != 200:
                     raise RuntimeError(f"populating {task} failed: {answer!r}")
                 parent = json.loads(answer)["node"]["id"]
@@ -99,7 +102,7 @@ async def _bench(ports: list[int], actors: list[Any], names: list[str], args: di
 
     async def send_ray(index: int) -> bool:
         shard, body = ray_requests[index % len(ray_requests)]
-        status, answer = await actors[shard].request.remote("POST", "/v1/lookup", body, None)
+        status, answer = await actors[shard].request.remote(routes.LOOKUP.method, routes.LOOKUP.path, body, None)
         return status == 200 and bool(json.loads(answer)["hit"])
 
     rows = await _measure("http", send_http, args["rates"], args["duration"])

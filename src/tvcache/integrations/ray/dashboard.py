@@ -49,8 +49,9 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from ... import __version__
+from ...api import routes as api
 from ...api.errors import METHOD_NOT_ALLOWED, NOT_FOUND, SHARD_DOWN, VALIDATION, ErrorCode, error_body
-from ...api.routes import route as find_route
+from ...api.params import parse_query
 from ...client.sharding import rendezvous
 from ...errors import InvalidInput
 from ...server.activity import Tally
@@ -58,13 +59,17 @@ from ...server.app import Guard
 from ...server.dashboard import dashboard_routes
 from ...server.metrics import label_expositions, label_value
 from ...server.runner import check_token
-from .shards import DEFAULT_NAMESPACE, ensure_ray, find_shards
+from .shards import DEFAULT_NAMESPACE, ensure_ray, shard_names
 
 __all__ = ["DEFAULT_PORT", "ShardAnswer", "ShardDown", "ShardReader", "create_dashboard_app", "serve_dashboard"]
 
 DEFAULT_PORT = 8100  # not 8000 (Ray Serve's default) nor 8265 (Ray's own dashboard)
 # The totals the page draws: present (zero) even when no shard answers, so the page still renders.
 PAGE_TOTALS = ("tasks", "nodes", "snapshots", "snapshot_bytes", "hits", "misses", "seconds_saved", "seconds_executed")
+
+# The routes of the one table the page reads: answered by the task's shard, or merged over every shard.
+PER_TASK = (api.EXPORT, api.OUTLINE, api.NODE, api.PATH)
+_TASKS, _ACTIVITY, _TOOLS = api.TASKS.path, api.ACTIVITY.path, api.NONDETERMINISTIC.path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,7 +204,7 @@ def merge_stats(polled: Sequence[Polled]) -> dict[str, Any]:
         for key, value in answer.info["stats"].items():
             if isinstance(value, int | float) and not isinstance(value, bool):
                 totals[key] = totals.get(key, 0) + value
-        tools.update(answer.payloads["/v1/tools/nondeterministic"]["tools"])
+        tools.update(answer.payloads[_TOOLS]["tools"])
     for key in PAGE_TOTALS:
         totals.setdefault(key, 0)
     totals["nondeterministic_tools"] = len(tools)
@@ -218,7 +223,7 @@ def merge_stats(polled: Sequence[Polled]) -> dict[str, Any]:
 
 def merge_tasks(polled: Sequence[Polled]) -> dict[str, Any]:
     """``/v1/tasks`` of the deployment: every shard's tasks, each with where it lives."""
-    tasks = [{**task, **answer.where} for answer in _answers(polled) for task in answer.payloads["/v1/tasks"]["tasks"]]
+    tasks = [{**task, **answer.where} for answer in _answers(polled) for task in answer.payloads[_TASKS]["tasks"]]
     return {"tasks": sorted(tasks, key=lambda task: str(task["task_id"])), "shards_down": _down_names(polled)}
 
 
@@ -229,7 +234,7 @@ def merge_activity(polled: Sequence[Polled], *, started: float) -> dict[str, Any
     since: list[float] = []
     tasks: list[dict[str, Any]] = []
     for answer in _answers(polled):
-        report = answer.payloads["/v1/activity"]
+        report = answer.payloads[_ACTIVITY]
         shard_total = report["total"]
         total.add(
             Tally(
@@ -259,7 +264,7 @@ def merge_activity(polled: Sequence[Polled], *, started: float) -> dict[str, Any
 def merge_tools(polled: Sequence[Polled]) -> dict[str, Any]:
     tools: dict[str, str] = {}
     for answer in _answers(polled):
-        tools.update(answer.payloads["/v1/tools/nondeterministic"]["tools"])
+        tools.update(answer.payloads[_TOOLS]["tools"])
     return {"tools": dict(sorted(tools.items())), "shards_down": _down_names(polled)}
 
 
@@ -352,16 +357,16 @@ class _Routes:
         self.started = time.time()
 
     async def stats(self, request: Request) -> Response:
-        return _json(merge_stats(await self.reader.poll("/v1/tools/nondeterministic")))
+        return _json(merge_stats(await self.reader.poll(_TOOLS)))
 
     async def tasks(self, request: Request) -> Response:
-        return _json(merge_tasks(await self.reader.poll("/v1/tasks")))
+        return _json(merge_tasks(await self.reader.poll(_TASKS)))
 
     async def activity(self, request: Request) -> Response:
-        return _json(merge_activity(await self.reader.poll("/v1/activity"), started=self.started))
+        return _json(merge_activity(await self.reader.poll(_ACTIVITY), started=self.started))
 
     async def tools(self, request: Request) -> Response:
-        return _json(merge_tools(await self.reader.poll("/v1/tools/nondeterministic")))
+        return _json(merge_tools(await self.reader.poll(_TOOLS)))
 
     async def metrics(self, request: Request) -> Response:
         text = merge_metrics(await self.reader.poll(metrics=True))
@@ -371,15 +376,14 @@ class _Routes:
         # Open to anyone (like the server's): liveness and version only; shard names and the namespace are data.
         return _json({"status": "ok", "version": __version__})
 
-    def per_task(self, path: str) -> Route:
+    def per_task(self, route: api.Route[Any]) -> Route:
         """A route answered by the shard that owns the task, its query validated as the server validates it (the
         parameters of the one route table)."""
-        route = find_route("GET", path)
-        assert route is not None, path
+        path = route.path
 
         async def endpoint(request: Request) -> Response:
             try:
-                params = {param.name: str(param.parse(request.query_params)) for param in route.query}
+                params = {name: str(value) for name, value in parse_query(request.query_params, route.query).items()}
             except InvalidInput as error:
                 return _error(VALIDATION, str(error))
             task_id = params["task_id"]
@@ -394,16 +398,13 @@ class _Routes:
 
     def routes(self) -> list[Route]:
         return [
-            Route("/v1/stats", self.stats, methods=["GET"]),
-            Route("/v1/tasks", self.tasks, methods=["GET"]),
-            Route("/v1/activity", self.activity, methods=["GET"]),
-            Route("/v1/tools/nondeterministic", self.tools, methods=["GET"]),
-            self.per_task("/v1/graph"),
-            self.per_task("/v1/graph/outline"),
-            self.per_task("/v1/node"),
-            self.per_task("/v1/path"),
-            Route("/healthz", self.healthz, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
+            Route(api.STATS.path, self.stats, methods=["GET"]),
+            Route(api.TASKS.path, self.tasks, methods=["GET"]),
+            Route(api.ACTIVITY.path, self.activity, methods=["GET"]),
+            Route(api.NONDETERMINISTIC.path, self.tools, methods=["GET"]),
+            *(self.per_task(route) for route in PER_TASK),
+            Route(api.HEALTHZ.path, self.healthz, methods=["GET"]),
+            Route(api.METRICS.path, self.metrics, methods=["GET"]),
             *dashboard_routes(),
         ]
 
@@ -422,12 +423,7 @@ def create_dashboard_app(
     after starting more). ``token``: the bearer token every data route requires (None: no auth; bind loopback
     only). ``timeout``: seconds a shard has to answer before it is reported down."""
     ensure_ray(address, namespace=namespace)
-    names = list(shards) if shards is not None else find_shards(namespace)
-    if not names:
-        raise InvalidInput(
-            f"no tvcache shard actors in Ray namespace {namespace!r}; start them with `tvcache ray up --shards N` "
-            "or tvcache.integrations.ray.start_shards(N, data_dir=...)"
-        )
+    names = shard_names(namespace, shards)
     routes = _Routes(ShardReader(names, namespace=namespace, timeout=timeout))
 
     async def not_found(request: Request, exc: Exception) -> Response:

@@ -2,7 +2,7 @@
 
 A shard actor wraps the very ``CacheService`` that ``tvcache serve`` wraps, and answers the same native ``/v1``
 operations through the same route table, dispatcher and error table as the HTTP server (``tvcache.api.routes``,
-``tvcache.server.routes.Dispatcher``, ``tvcache.api.errors``), so claims, leases, inserts, their validation and
+``tvcache.server.dispatch.Dispatcher``, ``tvcache.api.errors``), so claims, leases, inserts, their validation and
 their refusals behave exactly as over HTTP. It is an async actor: a long-poll
 (``/v1/claim/wait``) awaits on the actor's event loop without blocking other requests, just as on uvicorn.
 
@@ -37,15 +37,16 @@ from pydantic import ValidationError
 from ray.exceptions import RayError
 
 from ...api import models as m
-from ...api.routes import POST_ROUTES
+from ...api import routes
 from ...calls import ToolSpec
 from ...client.remote import RemoteCache
 from ...client.sharding import ShardRouter
+from ...defaults import CLAIM_TTL, LEASE_TTL
 from ...errors import InvalidInput, JournalError
 from ...policies import Budget
+from ...server.dispatch import Dispatcher
+from ...server.dispatch import Reply as Answer
 from ...server.metrics import Histogram, render
-from ...server.routes import Dispatcher
-from ...server.routes import Reply as Answer
 from ...server.service import CacheService
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "RayTransport",
     "ShardActor",
     "find_shards",
+    "shard_names",
     "start_shards",
     "stop_shards",
 ]
@@ -64,7 +66,7 @@ SHARD_PREFIX = "tvcache-shard-"
 
 Reply = tuple[int, bytes]  # (HTTP status, JSON body), what a shard actor answers
 
-ATTACH = next(route.path for route in POST_ROUTES if route.handler == "attach")
+ATTACH = routes.ATTACH.path
 
 
 # Handles of non-detached shards started by this process, keeping them alive until ``stop_shards``.
@@ -89,8 +91,8 @@ class ShardActor:
         data_dir: str | None,
         *,
         fsync: bool = False,
-        claim_ttl: float = 30.0,
-        lease_ttl: float = 600.0,
+        claim_ttl: float = CLAIM_TTL,
+        lease_ttl: float = LEASE_TTL,
         budget: dict[str, Any] | None = None,
         sweep_interval: float = 1.0,
         lock_wait: float = 60.0,
@@ -205,8 +207,8 @@ def start_shards(
     address: str | None = None,
     detached: bool = True,
     fsync: bool = False,
-    claim_ttl: float = 30.0,
-    lease_ttl: float = 600.0,
+    claim_ttl: float = CLAIM_TTL,
+    lease_ttl: float = LEASE_TTL,
     budget: Budget | None = None,
     timeout: float = 60.0,
     scheduling_strategy: Any = "SPREAD",
@@ -273,6 +275,17 @@ def find_shards(namespace: str = DEFAULT_NAMESPACE) -> list[str]:
         names.append(name)
 
 
+def shard_names(namespace: str, shards: Sequence[str] | None = None) -> list[str]:
+    """``shards``, or the shard actors running in ``namespace`` (``find_shards``); InvalidInput for none."""
+    names = list(shards) if shards is not None else find_shards(namespace)
+    if not names:
+        raise InvalidInput(
+            f"no tvcache shard actors in Ray namespace {namespace!r}; start them with `tvcache ray up --shards N` "
+            "or tvcache.integrations.ray.start_shards(N, data_dir=...)"
+        )
+    return names
+
+
 def stop_shards(namespace: str = DEFAULT_NAMESPACE) -> list[str]:
     """Kill every shard actor in ``namespace`` for good (their journals stay on disk). Returns their names."""
     names = find_shards(namespace)
@@ -309,7 +322,7 @@ class RayTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
 
     def _response(self, reply: Reply, request: httpx.Request) -> httpx.Response:
         status, body = reply
-        media = "text/plain" if request.url.path == "/metrics" else "application/json"
+        media = "text/plain" if request.url.path == routes.METRICS.path else "application/json"
         return httpx.Response(status, content=body, headers={"content-type": media}, request=request)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
@@ -354,12 +367,7 @@ class RayCache(ShardRouter[RemoteCache]):
         **options: Any,
     ) -> None:
         ensure_ray(address, namespace=namespace)
-        names = list(shards) if shards is not None else find_shards(namespace)
-        if not names:
-            raise InvalidInput(
-                f"no tvcache shard actors in Ray namespace {namespace!r}; start them with `tvcache ray up --shards N` "
-                "or tvcache.integrations.ray.start_shards(N, data_dir=...)"
-            )
+        names = shard_names(namespace, shards)
         if len(set(names)) != len(names):
             raise InvalidInput("RayCache got the same shard name twice")
         specs = list(tools)

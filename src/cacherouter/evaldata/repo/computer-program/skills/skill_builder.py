@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from cacherouter.errors import CacheRouterError
-from cacherouter.skills import build_skill, params_from_json
+from cacherouter.tools.skills import build_skill, params_from_json
 
 parser = argparse.ArgumentParser(
     description="Write a new skill (script + SKILL.md) into the 'other' package, check it runs, and publish it."
