@@ -791,3 +791,181 @@ def test_layering_check_finds_imports_against_the_layers(tmp_path: Path) -> None
         "tvcache/cache.py:2: tvcache.cache imports cacherouter: tvcache and cacherouter share no module",
         "tvcache/cache.py:2: tvcache.cache imports cacherouter.errors: tvcache and cacherouter share no module",
     ]
+
+
+# ----- sandbox backends
+#
+# Two rules for ``tvcache.sandboxes``. No module registers anything with another at import: a factory names the
+# classes it builds, so a reader following it never loses the path in a module global someone else set (the shell
+# factory once found its persistent sandbox class so). And no backend imports another backend's module: what two
+# backends share (running a command, worker threads, the sentinel shell, cgroups, ownership tags) lives in modules
+# of no backend. A module of ``tvcache.sandboxes`` in no row below is shared.
+
+SANDBOX_BACKENDS: dict[str, frozenset[str]] = {
+    "sqlite": frozenset({"tvcache.sandboxes.sqlite"}),
+    "folder": frozenset({"tvcache.sandboxes.folder"}),
+    "overlay": frozenset(
+        {
+            "tvcache.sandboxes.shell.sandbox",
+            "tvcache.sandboxes.shell.overlay",
+            "tvcache.sandboxes.shell.persistent",
+            "tvcache.sandboxes.shell.layers",
+            "tvcache.sandboxes.shell.layer_archive",
+            "tvcache.sandboxes.shell.warm",
+            "tvcache.sandboxes.published",  # publishes the overlay's layers across machines
+        }
+    ),
+    "docker": frozenset(
+        {
+            "tvcache.sandboxes.docker",
+            "tvcache.sandboxes.docker_container",
+            "tvcache.sandboxes.docker_shell",
+            "tvcache.sandboxes.docker_engine",
+            "tvcache.sandboxes.docker_cgroups",
+        }
+    ),
+}
+# The one crossing, pinned: ``ShellSandbox.factory`` (a public name) falls back to copying the tree where overlay
+# mounts are refused, as its docstring and the README promise.
+KNOWN_BACKEND_CROSSINGS = {("tvcache.sandboxes.shell.sandbox", "tvcache.sandboxes.folder")}
+
+
+def backend_of(module: str, backends: dict[str, frozenset[str]]) -> str | None:
+    return next((name for name, members in backends.items() if module in members), None)
+
+
+def backend_crossing_report(
+    src: Path,
+    roots: Iterable[str],
+    backends: dict[str, frozenset[str]] = SANDBOX_BACKENDS,
+    known: set[tuple[str, str]] = KNOWN_BACKEND_CROSSINGS,
+) -> list[str]:
+    modules = discover(src, roots)
+    report = []
+    for module in modules.values():
+        mine = backend_of(module.name, backends)
+        if mine is None:
+            continue
+        for imported in imports_of(module, parse(module), modules):
+            theirs = backend_of(imported.module, backends)
+            if theirs not in (None, mine) and (module.name, imported.module) not in known:
+                report.append(
+                    f"{module.where(imported.line)}: the {mine} backend imports {imported.module} "
+                    f"(the {theirs} backend's): move what both need to a shared module"
+                )
+    return sorted(set(report))  # one line per import statement
+
+
+def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements Python runs when it imports the module: the top level, inside top-level if/try/with."""
+    for statement in body:
+        yield statement
+        if isinstance(statement, ast.If | ast.Try | ast.With):
+            for block in ("body", "orelse", "finalbody"):
+                yield from _module_level(getattr(statement, block, []))
+            for handler in getattr(statement, "handlers", []):
+                yield from _module_level(handler.body)
+
+
+def _root_name(node: ast.AST) -> str:
+    """``register`` for ``register(...)``, ``registry`` for ``registry.kinds.register``."""
+    while isinstance(node, ast.Attribute | ast.Call):
+        node = node.value if isinstance(node, ast.Attribute) else node.func
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def _foreign_names(module: Module, tree: ast.Module, modules: dict[str, Module]) -> set[str]:
+    """Names the module binds by importing from outside our roots (a framework's own plugin registry)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(
+                (alias.asname or alias.name).split(".")[0]
+                for alias in node.names
+                if _longest_module(tuple(alias.name.split(".")), modules) is None
+            )
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if _longest_module(tuple(node.module.split(".")), modules) is None:
+                names.update(alias.asname or alias.name for alias in node.names)
+        elif (  # ``_tool = require("openhands.sdk.tool", ...)``, ``importlib.import_module("x")``
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and _root_name(node.value.func) in {"require", "importlib", "import_module"}
+            and node.value.args
+            and isinstance(node.value.args[0], ast.Constant)
+            and isinstance(node.value.args[0].value, str)
+            and _longest_module(tuple(node.value.args[0].value.split(".")), modules) is None
+        ):
+            names.update(target.id for target in node.targets if isinstance(target, ast.Name))
+    return names
+
+
+def registration_report(src: Path, roots: Iterable[str]) -> list[str]:
+    """Calls (decorators included) of a ``register...`` function of ours that run when a module is imported. A
+    framework's plugin registry (veRL's agent loops, OpenHands' tools) is how that framework finds our classes,
+    and stays allowed."""
+    modules = discover(src, roots)
+    report = set()
+    for module in modules.values():
+        tree = parse(module)
+        foreign = _foreign_names(module, tree, modules)
+        for statement in _module_level(tree.body):
+            if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                nodes: list[ast.AST] = list(statement.decorator_list)
+            elif isinstance(statement, ast.If | ast.Try | ast.With):
+                nodes = [] if isinstance(statement, ast.Try) else [getattr(statement, "test", statement)]
+            else:
+                nodes = [statement]
+            for top in nodes:
+                for node in ast.walk(top):
+                    target = node.func if isinstance(node, ast.Call) else node if node is top else None
+                    if target is None:
+                        continue
+                    name = target.attr if isinstance(target, ast.Attribute) else _root_name(target)
+                    if name.lower().startswith("register") and _root_name(target) not in foreign:
+                        report.add(f"{module.where(getattr(node, 'lineno', 0))}: {name}(...) runs at import")
+    return sorted(report)
+
+
+def test_no_sandbox_backend_imports_another() -> None:
+    report = backend_crossing_report(SRC, ["tvcache"])
+    assert not report, "\n".join(report)
+
+
+def test_nothing_registers_itself_at_import() -> None:
+    report = registration_report(SRC, ROOTS)
+    assert not report, "\n".join(report)
+
+
+def test_the_backend_table_names_real_modules() -> None:
+    modules = discover(SRC, ["tvcache"])
+    named = {name for members in SANDBOX_BACKENDS.values() for name in members}
+    assert named <= set(modules), sorted(named - set(modules))
+    assert {source for source, _ in KNOWN_BACKEND_CROSSINGS} <= named
+
+
+def test_backend_and_registration_checkers_find_what_they_look_for(tmp_path: Path) -> None:
+    src = plant(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from .b import thing\nfrom . import shared\n",
+            "pkg/b.py": "def f():\n    from pkg import a\n",
+            "pkg/shared.py": "from .c import register\nregister(1)\nif True:\n    register_kind(2)\n",
+            "pkg/c.py": "@registry.register\ndef g():\n    register(3)\n",
+            "pkg/framework.py": "from verl import register\nimport openhands\n@register('x')\nclass A: ...\n"
+            "openhands.tool.register_tool('t', A)\n"
+            "_t = require('openhands.sdk.tool', 'openhands')\n_t.register_tool('u', A)\n",
+        },
+    )
+    backends = {"one": frozenset({"pkg.a"}), "two": frozenset({"pkg.b"})}
+    assert backend_crossing_report(src, ["pkg"], backends, set()) == [
+        "pkg/a.py:1: the one backend imports pkg.b (the two backend's): move what both need to a shared module",
+        "pkg/b.py:2: the two backend imports pkg.a (the one backend's): move what both need to a shared module",
+    ]
+    assert backend_crossing_report(src, ["pkg"], backends, {("pkg.a", "pkg.b"), ("pkg.b", "pkg.a")}) == []
+    assert registration_report(src, ["pkg"]) == [
+        "pkg/c.py:1: register(...) runs at import",
+        "pkg/shared.py:2: register(...) runs at import",
+        "pkg/shared.py:4: register_kind(...) runs at import",
+    ]

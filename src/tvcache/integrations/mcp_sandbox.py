@@ -45,7 +45,7 @@ from ..calls import ToolCall, ToolSpec
 from ..errors import SandboxError
 from ..protocol import Outcome, Snapshot
 from ..sandboxes.shell import linux
-from ..sandboxes.shell.sandbox import PRIVATE_DIRS, ShellSandbox, ShellSandboxFactory
+from ..sandboxes.shell.sandbox import PRIVATE_DIRS, AnyShellSandbox, ShellSandboxFactory
 from ..sandboxes.shell.zygote import Spawned
 from .mcp_upstream import ProxySettings, UpstreamSandbox
 
@@ -169,7 +169,7 @@ class SandboxedUpstreamFactory:
             raise SandboxError(f"cannot fork a sandboxed MCP upstream from a {snapshot.kind!r} snapshot")
         return await self._open(await self.upstreams.files.fork(_files_snapshot(snapshot, self.upstreams.files)))
 
-    async def _open(self, files: ShellSandbox) -> SandboxedUpstream:
+    async def _open(self, files: AnyShellSandbox) -> SandboxedUpstream:
         sandbox = SandboxedUpstream(self.upstreams, files, on_start=self._on_start)
         try:
             await sandbox.open()
@@ -283,7 +283,7 @@ def _files_snapshot(snapshot: Snapshot, files: ShellSandboxFactory) -> Snapshot:
 class SandboxedUpstream:
     """One overlay of the data directory and the upstream process running on it. Calls are serialised."""
 
-    def __init__(self, upstreams: SandboxedUpstreams, files: ShellSandbox, *, on_start: Callable[[], None]) -> None:
+    def __init__(self, upstreams: SandboxedUpstreams, files: AnyShellSandbox, *, on_start: Callable[[], None]) -> None:
         self._upstreams = upstreams
         self._files = files
         self._on_start = on_start

@@ -5,17 +5,11 @@
 - ``DockerSandbox``: a container per sandbox, snapshots by ``docker commit`` (and CRIU checkpoints).
 - ``WarmPool``: wraps any factory to keep sandboxes ready ahead of demand.
 - ``FolderSandbox``: a private copy of a template directory, a ``sh`` tool plus Python ``FolderTool``s.
-
-Importing this package imports ``shell.persistent``, which registers its sandbox class with the shell factory
-(``ShellSandboxFactory(..., persistent=True)`` builds them, but ``shell.sandbox`` cannot import the module of a
-subclass of its ``ShellSandbox`` without an import cycle). Python runs this file before any module inside the
-package, so every use of the shell factory finds the class registered.
 """
 
 from .docker import DockerSandbox, DockerSandboxFactory
 from .folder import FolderSandbox, FolderSandboxFactory, FolderTool
 from .pool import PoolStats, WarmPool
-from .shell import persistent as _persistent  # noqa: F401  registers its sandbox class (see above)
 from .shell.limits import SandboxLimits
 from .shell.sandbox import ShellSandbox, ShellSandboxFactory
 from .sqlite import SQLiteSandbox, SQLiteSandboxFactory

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import SandboxError
 from ..journal import Journal
-from .shell.layers import owner_is_gone, process_tag
+from .ownership import owner_is_gone, process_tag
 from .shell.limits import DEFAULT_LIMITS, SandboxLimits
 from .shell.linux import CAP_CHECKPOINT_RESTORE, KEPT_CAPABILITIES
 from .shell.pty_shell import shell_argv

@@ -47,7 +47,7 @@ from .commands import (
     run_cancellable,
     validated,
 )
-from .shell.layers import tree_bytes
+from .ownership import tree_bytes
 from .threads import finish_in_thread
 
 __all__ = ["SH_TOOL", "FolderSandbox", "FolderSandboxFactory", "FolderTool", "digest_folder"]

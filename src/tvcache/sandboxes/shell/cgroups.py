@@ -413,7 +413,7 @@ _host_owner = 0
 
 def _find_host() -> CgroupHost | str:
     global _host_owner
-    from .layers import process_tag  # main process only (not loaded in the zygote)
+    from ..ownership import process_tag  # main process only (not loaded in the zygote)
 
     if os.geteuid() != 0:
         return "not root (cgroups would need a delegated subtree)"
@@ -516,7 +516,7 @@ def _v1_parents() -> list[str] | str:
 def remove_leftovers(base: str) -> list[str]:
     """Remove the parent cgroups under ``base`` whose owner process is gone (killed before it cleaned up):
     their processes are killed first. Returns the paths removed."""
-    from .layers import owner_is_gone
+    from ..ownership import owner_is_gone
 
     removed: list[str] = []
     try:

@@ -64,8 +64,8 @@ from pathlib import Path
 
 from ...errors import CriuError
 from ...private_storage import DIRECTORY_MODE, private_tree
+from ..ownership import owner_is_gone, process_tag
 from ._criu_keeper import NETWORK_KEY, NEW_LOOPBACK
-from .layers import owner_is_gone, process_tag
 from .zygote import Spawned
 from .zygote_process import send
 

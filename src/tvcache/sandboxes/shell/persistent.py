@@ -55,10 +55,10 @@ from ..commands import render_shell
 from ..threads import Steps, finish_in_thread, run_briefly_then_in_worker
 from .cgroups import HitReader
 from .layers import Layer
+from .overlay import OverlaySandbox, ShellHost
 from .process import describe_hit
 from .pty_shell import PtyResult, PtyShell
 from .routes import PERSISTENT_KIND, ROUTES, discard_process_state
-from .sandbox import ShellSandbox, ShellSandboxFactory, register_persistent_sandbox
 from .session import NEW_SHELL_NOTE, PersistentShellCalls, persistent_command
 from .shell_state import (
     ShellLaunch,
@@ -71,8 +71,8 @@ from .shell_state import (
 )
 from .zygote import Spawned
 
-# PERSISTENT_KIND, ROUTES and discard_process_state live in ``routes`` (the factory needs them and cannot import
-# this module); they stay importable from here.
+# PERSISTENT_KIND, ROUTES and discard_process_state live in ``routes`` (with the route table, beside the routes'
+# own modules); they stay importable from here.
 __all__ = ["NEW_SHELL_NOTE", "PERSISTENT_KIND", "ROUTES", "PersistentShellSandbox", "discard_process_state"]
 
 # A command's first millisecond runs on the caller's event loop (``run_briefly_then_in_worker``): most commands of an
@@ -81,10 +81,10 @@ __all__ = ["NEW_SHELL_NOTE", "PERSISTENT_KIND", "ROUTES", "PersistentShellSandbo
 INLINE_BUDGET = 0.001
 
 
-class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
+class PersistentShellSandbox(PersistentShellCalls, OverlaySandbox):
     """One overlay sandbox with one long-lived shell. Calls are serialised; blocking work runs in threads."""
 
-    def __init__(self, factory: ShellSandboxFactory, layers: list[Layer], image: dict[str, Any] | None) -> None:
+    def __init__(self, factory: ShellHost, layers: list[Layer], image: dict[str, Any] | None) -> None:
         self._shell: PtyShell | None = None
         self._untrusted: str | None = None
         self._hits: tuple[Spawned, HitReader] | None = None  # the live shell's limit counters
@@ -354,7 +354,3 @@ class PersistentShellSandbox(PersistentShellCalls, ShellSandbox):
             shell.close()
         self._close_hits()
         super()._teardown()
-
-
-# The factory (``sandbox``) builds its persistent sandboxes with this class; see the docstring of ``sandbox``.
-register_persistent_sandbox(PersistentShellSandbox)

@@ -19,10 +19,9 @@ forked per command.
 
 With ``persistent=True`` each sandbox keeps one long-lived bash instead (``persistent``): the working
 directory, variables, functions and jobs carry over between calls, and snapshots carry the shell's state too.
-``PersistentShellSandbox`` subclasses ``ShellSandbox``, so this module cannot import it: it registers itself
-here (``register_persistent_sandbox``) when ``persistent`` is imported, and ``tvcache.sandboxes``, which Python
-runs before any module inside it, imports ``persistent``. What the factory needs besides the class (the
-snapshots' kind and routes, deleting their process state) is in ``routes``.
+Both kinds are an ``overlay.OverlaySandbox`` (the mount, its layers, freezing and digests) and take their
+factory as an ``overlay.ShellHost``; ``ShellSandboxFactory`` here builds either. What it needs besides the
+classes (the snapshots' kind and routes, deleting their process state) is in ``routes``.
 
 Needs root (or overlay mounts in general); otherwise ``ShellSandbox.factory`` falls back to copying the tree
 (``FolderSandbox``), with a warning.
@@ -30,23 +29,18 @@ Needs root (or overlay mounts in general); otherwise ``ShellSandbox.factory`` fa
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hashlib
 import json
 import os
 import shutil
-import stat
 import threading
 import warnings
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ...calls import ToolCall, ToolSpec
-from ...children import run as run_tied
 from ...errors import SandboxError, SnapshotDeclined, SnapshotUnusable
 from ...protocol import Outcome, Snapshot, require_new_destination
 from ..commands import (
@@ -65,29 +59,19 @@ from .criu import Keepers
 from .host_view import HostView, build_confinement, describe
 from .layers import Layer, LayerStore, upper_digest
 from .limits import DEFAULT_LIMITS, SandboxLimits, cgroup_spec
+from .overlay import OverlaySandbox
+from .persistent import PersistentShellSandbox
 from .process import run_confined
 from .pty_shell import PtyShell
 from .routes import PERSISTENT_KIND, ROUTES, discard_process_state
 from .warm import WarmShells
-from .zygote import Confinement, Spawned, Zygote
+from .zygote import Confinement, Zygote
 
-__all__ = ["PersistentSandboxMaker", "ShellSandbox", "ShellSandboxFactory", "register_persistent_sandbox"]
+__all__ = ["AnyShellSandbox", "ShellSandbox", "ShellSandboxFactory"]
 
 KIND = "shell"
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
-
-# Builds a persistent factory's sandbox over layers (their references taken over), with a shell restored from a
-# snapshot's "shell" meta, or a new shell for None; on failure it releases the layers itself.
-PersistentSandboxMaker = Callable[["ShellSandboxFactory", "list[Layer]", "dict[str, object] | None"], "ShellSandbox"]
-_persistent_sandbox: PersistentSandboxMaker | None = None  # set by ``persistent`` on import (module docstring)
-
-
-def register_persistent_sandbox(maker: PersistentSandboxMaker) -> None:
-    """Make ``maker`` (``persistent.PersistentShellSandbox``) what persistent factories build their sandboxes
-    with; ``persistent`` calls it when imported."""
-    global _persistent_sandbox
-    _persistent_sandbox = maker
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -138,11 +122,7 @@ class ShellSandboxFactory:
         self.command_prefix: tuple[str, ...] = ()  # run before bash: an image's WORKDIR and USER (sandboxes.image)
         self.persistent = persistent
         self.snapshot_routes: tuple[Any, ...] = ()
-        self._persistent_sandbox: PersistentSandboxMaker | None = None
         if persistent:
-            if _persistent_sandbox is None:  # only while tvcache.sandboxes itself is being imported
-                raise SandboxError("persistent shell sandboxes are not loaded yet; import tvcache.sandboxes first")
-            self._persistent_sandbox = _persistent_sandbox
             self.kind = PERSISTENT_KIND  # its snapshots carry a shell: never forked by a one-shot factory
             self.snapshot_routes = ROUTES  # tried in order per snapshot (persistent); narrow it to opt out
         self.environment = (
@@ -176,18 +156,18 @@ class ShellSandboxFactory:
     def tools(self) -> Mapping[str, ToolSpec]:
         return self._tools
 
-    async def start(self) -> ShellSandbox:
+    async def start(self) -> AnyShellSandbox:
         return await self._build([], None)
 
-    async def fork(self, snapshot: Snapshot) -> ShellSandbox:
+    async def fork(self, snapshot: Snapshot) -> AnyShellSandbox:
         layers = self._layers_of(snapshot)  # referenced now: an eviction meanwhile cannot delete them
         image = snapshot.meta.get("shell") if self.persistent else None
         return await self._build(layers, dict(image) if image is not None else None)
 
-    def _make(self, layers: list[Layer], image: dict[str, object] | None) -> ShellSandbox:
-        if self._persistent_sandbox is None:
+    def _make(self, layers: list[Layer], image: dict[str, object] | None) -> AnyShellSandbox:
+        if not self.persistent:
             return ShellSandbox(self, layers)
-        return self._persistent_sandbox(self, layers, image)  # on failure, it released the layers itself
+        return PersistentShellSandbox(self, layers, image)  # on failure, it released the layers itself
 
     def host_view(self) -> HostView:
         """What this factory's commands see of the host, path by path, and why (``print`` it to audit)."""
@@ -229,7 +209,7 @@ class ShellSandboxFactory:
         with self._routes_lock:
             return dict(self._routes)
 
-    async def _build(self, layers: list[Layer], image: dict[str, object] | None) -> ShellSandbox:
+    async def _build(self, layers: list[Layer], image: dict[str, object] | None) -> AnyShellSandbox:
         """The sandbox takes over one reference on each layer, already acquired here. If the caller is cancelled
         (once or again and again) meanwhile, the build is still waited for and the sandbox it made torn down
         before the cancellation goes on: nothing leaks, and the caller may release the snapshot once this
@@ -279,28 +259,8 @@ class ShellSandboxFactory:
         return f"ShellSandboxFactory({str(self.base)!r}, rootfs={self.rootfs}, persistent={self.persistent})"
 
 
-class ShellSandbox:
-    """One overlay sandbox. Calls are serialised; blocking work runs in worker threads."""
-
-    def __init__(self, factory: ShellSandboxFactory, layers: list[Layer]) -> None:
-        self._factory = factory
-        self._store = factory.store
-        self._lock = asyncio.Lock()
-        self._live: set[Spawned] = set()
-        self._stack = list(layers)  # newest first, above the base; their references are ours now
-        self._upper, self._work = self._store.new_upper()
-        self._mount_fd: int | None = None
-        self._stopped = False
-        self._last_digest: str | None = None
-        self._limit_hit: str | None = None  # the limit a call hit: the sandbox is no longer trusted
-        try:
-            _copy_root_attributes(self._top(), self._upper)
-            self._mount()
-        except BaseException:
-            self._teardown()
-            raise
-        with contextlib.suppress(OSError):  # boots while the caller gets to its first command (which retries)
-            factory.zygote.start()
+class ShellSandbox(OverlaySandbox):
+    """One overlay sandbox running each command in a process of its own (``persistent``: one long-lived shell)."""
 
     @classmethod
     def factory(
@@ -382,39 +342,6 @@ class ShellSandbox:
         factory.image = setup.config  # type: ignore[attr-defined]
         return factory
 
-    # ----------------------------------------------------------- mounts
-
-    def _top(self) -> Path:
-        """The tree right below the upper layer: the newest layer, or the base."""
-        return self._stack[0].path if self._stack else self._factory.base
-
-    def _lowers(self) -> list[str]:
-        lowers = [str(layer.path) for layer in self._stack]
-        squashed = bool(self._stack) and self._stack[-1].squashed
-        return lowers if squashed else [*lowers, str(self._factory.base)]
-
-    def _mount(self) -> None:
-        self._mount_fd = linux.mount_overlay(self._lowers(), str(self._upper), str(self._work))
-
-    def _unmount(self) -> None:
-        fd, self._mount_fd = self._mount_fd, None
-        if fd is not None:
-            os.close(fd)  # the last reference to a detached mount: the kernel unmounts it
-
-    def _require_open(self) -> int:
-        if self._mount_fd is None:
-            raise SandboxError("this shell sandbox was stopped; start or fork a new one from the factory")
-        return self._mount_fd
-
-    def _require_within_limits(self, error: type[SandboxError] = SandboxError) -> None:
-        """After a call hit a limit, what is left of the sandbox (half-written files, a killed process's
-        partners) depends on timing: nothing more runs in it, and the cache rebuilds the state by replay."""
-        if self._limit_hit is not None:
-            raise error(
-                f"this shell sandbox is no longer trusted: an earlier call ended because {self._limit_hit}; "
-                "start or fork a new one (the cache replays its calls there)"
-            )
-
     # ---------------------------------------------------------- execute
 
     async def execute(self, call: ToolCall) -> Outcome:
@@ -484,130 +411,9 @@ class ShellSandbox:
             os.replace(partial, dest)
         return Snapshot(kind=KIND, path=str(dest), bytes=new_bytes, meta={"layers": layers})
 
-    def _freeze(self) -> tuple[list[Layer], int]:
-        """Freeze the upper into a layer (if it holds changes) and go on above it; squash deep stacks."""
-        with os.scandir(self._upper) as entries:
-            changed = any(True for _ in entries)
-        if not changed and self._stack:
-            return list(self._stack), 0
-        self._refuse_hard_links()
-        self._unmount()
-        layer = self._store.freeze(self._upper)
-        self._store.acquire([layer])
-        self._stack.insert(0, layer)
-        self._upper, self._work = self._store.new_upper()
-        # Before a squash too: its copy takes the root's owner and mode from the merged tree, whose root is the
-        # upper's (a fresh upper is 0700 until it takes the tree's).
-        _copy_root_attributes(self._top(), self._upper)
-        if len(self._stack) > self._factory.max_layers:
-            self._squash()
-            _copy_root_attributes(self._top(), self._upper)
-        self._mount()
-        self._last_digest = None
-        return list(self._stack), layer.bytes
 
-    def _refuse_hard_links(self) -> None:
-        """SnapshotDeclined when the upper holds hard links. overlayfs copies a lower file up on its first change,
-        which splits it from its other names; in this live sandbox the names share one upper inode. A fork would
-        let them diverge where this does not."""
-        linked = _hard_linked(self._upper)
-        if linked is not None:
-            raise SnapshotDeclined(
-                f"{linked} has hard links made in this sandbox, which overlayfs would split in a fork; "
-                "not snapshotting this state"
-            )
-
-    def _squash(self) -> None:
-        """Replace the whole stack (and the base) by one layer holding the merged tree: a full copy, paid
-        once every ``max_layers`` snapshots so that lookups and mounts stay fast. ``cp -a`` keeps owners, modes,
-        hard links, special files and extended attributes. If the copy fails, the deep stack stays as it is."""
-        merged = linux.mount_overlay(self._lowers(), str(self._upper), str(self._work))
-        target = self._store.new_layer_path(squashed=True)
-        try:
-            # The detached mount's root is reachable through its descriptor (from a child too, via our pid):
-            # nothing is ever attached.
-            source = f"/proc/{os.getpid()}/fd/{merged}/."
-            # Tied: a cp outliving a killed process would go on filling its layer store.
-            result = run_tied(["cp", "-a", source, str(target)], capture_output=True, text=True, check=False)
-        finally:
-            os.close(merged)
-        if result.returncode != 0:
-            shutil.rmtree(target, ignore_errors=True)
-            warnings.warn(
-                f"squashing {len(self._stack)} layers failed ({result.stderr.strip()[:200]}); keeping the deep stack",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return
-        squashed = self._store.adopt(target)
-        self._store.acquire([squashed])
-        self._store.release(self._stack)
-        self._stack = [squashed]
-
-    async def state_digest(self) -> str:
-        async with self._lock:
-            self._require_open()
-            # Cancelled, the digest still ends before the lock goes: it sets the next call's "before" digest.
-            return await finish_in_thread(self._state_digest)
-
-    def _state_digest(self) -> str:
-        """Digests of the layers, oldest first, then of the upper if it holds changes. Freezing renames the
-        upper into a layer without touching its entries, so a state digests the same before and after a
-        snapshot, and in every fork of it."""
-        self._last_digest = upper_digest(self._upper)
-        parts = [layer.digest() for layer in reversed(self._stack)]
-        with os.scandir(self._upper) as entries:
-            if any(True for _ in entries):
-                parts.append(self._last_digest)
-        return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
-
-    # -------------------------------------------------------------- stop
-
-    async def stop(self) -> None:
-        async with self._lock:
-            if not self._stopped:
-                # Cancelled, the teardown still ends before the lock goes: a call let in meanwhile would find the
-                # mount descriptor open, then closed (or reused) under it.
-                await finish_in_thread(self._teardown)
-
-    def _teardown(self) -> None:
-        self._stopped = True
-        self._unmount()
-        self._store.discard_upper(self._upper)
-        self._store.release(self._stack)
-        self._stack = []
-
-    @property
-    def layers(self) -> list[str]:
-        """The paths of this sandbox's layers, newest first (for inspection and tests)."""
-        return [str(layer.path) for layer in self._stack]
-
-
-def _hard_linked(upper: Path) -> str | None:
-    """A non-directory of ``upper`` with more than one name (files, FIFOs, symlinks...), relative to it, or None.
-    Whiteouts (character devices 0/0) are skipped: overlay makes every whiteout a link of one shared inode."""
-    pending = [str(upper)]
-    while pending:
-        with os.scandir(pending.pop()) as entries:
-            for entry in entries:
-                info = entry.stat(follow_symlinks=False)
-                if stat.S_ISDIR(info.st_mode):
-                    pending.append(entry.path)
-                elif info.st_nlink > 1 and not (stat.S_ISCHR(info.st_mode) and info.st_rdev == 0):
-                    return os.path.relpath(entry.path, upper)
-    return None
-
-
-def _copy_root_attributes(source: Path, upper: Path) -> None:
-    """overlayfs shows the sandbox root with the upper root's owner, mode, times and user xattrs; a fresh upper
-    must carry those of the tree below it, or every snapshot and fork would reset them (``find -newer``)."""
-    info = os.lstat(source)
-    os.chown(upper, info.st_uid, info.st_gid)
-    os.chmod(upper, stat.S_IMODE(info.st_mode))
-    for name in os.listxattr(source, follow_symlinks=False):
-        if name.startswith("user."):
-            os.setxattr(upper, name, os.getxattr(source, name, follow_symlinks=False))
-    os.utime(upper, ns=(info.st_atime_ns, info.st_mtime_ns))
+# What a ShellSandboxFactory builds: one of the two kinds (``persistent`` picks which).
+AnyShellSandbox = ShellSandbox | PersistentShellSandbox
 
 
 def _confinement(base: Path, *, rootfs: bool, visible: tuple[str, ...] = ()) -> Confinement:
