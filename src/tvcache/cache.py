@@ -16,7 +16,7 @@ import random
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Unpack
 
@@ -24,7 +24,7 @@ from .calls import MAX_TASK_ID, ToolSpec
 from .errors import UnknownTool
 from .graph import Node, ToolCallGraph
 from .policies import Budget, CostAwareSnapshots, CostModel, EvictionPolicy, SnapshotPolicy
-from .protocol import SandboxFactory
+from .protocol import SandboxFactory, cost_hints
 from .recovery import JournalRecovery
 from .results import AuditFinding, CacheStats, NondeterminismMark
 from .session import Session, SyncSession
@@ -246,7 +246,7 @@ class Cache:
         with self._telemetry_lock:
             model = self._costs.get(factory.kind)
             if model is None:
-                hints: Mapping[str, float] = getattr(factory, "cost_hints", {})
+                hints = cost_hints(factory)
                 model = self._costs[factory.kind] = CostModel(
                     start=hints.get("start", 0.0),
                     fork=hints.get("fork", 0.0),

@@ -22,15 +22,24 @@ from .calls import ToolCall, ToolSpec
 from .errors import SandboxError
 
 __all__ = [
+    "Closable",
+    "CostHinted",
+    "DigestsState",
+    "DiscardsForeign",
+    "ForksLocally",
     "Outcome",
+    "RouteCounting",
     "Sandbox",
     "SandboxFactory",
     "SandboxWrapper",
     "Snapshot",
     "close_factory",
+    "cost_hints",
     "discard_snapshot_files",
     "require_new_destination",
+    "route_counts",
     "snapshot_inside",
+    "state_digest",
 ]
 
 
@@ -169,11 +178,69 @@ class SandboxFactory(Protocol):
         """Free a snapshot's storage; called once the cache evicts it, only with a snapshot this factory made
         (the very record it returned) or one a durable cache's journal records in its own snapshot directory.
 
-        A factory may also define ``discard_foreign(snapshot)``: called for an evicted record it did not make
-        (another process's, handed back by a server any client writes to). It must free nothing the record names
-        by path; it may release what it can verify in storage of its own (a published snapshot's references in
-        its store). Without it such a record is forgotten (``store.owners.SnapshotOwners._release_foreign``)."""
+        A factory may also offer ``discard_foreign(snapshot)`` (``DiscardsForeign``): called for an evicted
+        record it did not make (another process's, handed back by a server any client writes to). It must free
+        nothing the record names by path; it may release what it can verify in storage of its own (a published
+        snapshot's references in its store). Without it such a record is forgotten
+        (``store.owners.SnapshotOwners._release_foreign``)."""
         ...
+
+
+# ----- optional capabilities: what a factory or sandbox may offer beyond the protocol, each a protocol of its own
+# (checked with isinstance, so a SandboxWrapper, which forwards attributes, offers what its inner sandbox does).
+
+
+@runtime_checkable
+class CostHinted(Protocol):
+    """A factory's guesses of its costs in seconds ("start", "fork", "snapshot"), used until they are measured."""
+
+    cost_hints: Mapping[str, float]
+
+
+@runtime_checkable
+class DiscardsForeign(Protocol):
+    """A factory that can release what an evicted record of another process names in storage of its own (see
+    ``SandboxFactory.discard``)."""
+
+    def discard_foreign(self, snapshot: Snapshot) -> None: ...
+
+
+@runtime_checkable
+class ForksLocally(Protocol):
+    """A factory that can tell whether forking ``snapshot`` here is cheap (its data is in this process or node)."""
+
+    def fork_is_local(self, snapshot: Snapshot) -> bool: ...
+
+
+@runtime_checkable
+class RouteCounting(Protocol):
+    """A factory that counts its snapshots by the route they took (persistent shells: "criu", "declined"...)."""
+
+    def route_counts(self) -> dict[str, int]: ...
+
+
+@runtime_checkable
+class DigestsState(Protocol):
+    """A sandbox that digests its whole state: equal for a sandbox and its forks, different once it moved on."""
+
+    async def state_digest(self) -> str | None: ...
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """A factory to close when done: a method, or a coroutine (``WarmPool``)."""
+
+    def close(self) -> Any: ...
+
+
+def cost_hints(factory: object) -> Mapping[str, float]:
+    """The factory's cost hints; none when it offers none."""
+    return factory.cost_hints if isinstance(factory, CostHinted) else {}
+
+
+def route_counts(factory: object) -> dict[str, int]:
+    """The factory's snapshots by route; none when it does not count them."""
+    return dict(factory.route_counts()) if isinstance(factory, RouteCounting) else {}
 
 
 def close_factory(factory: object) -> None:
@@ -181,10 +248,9 @@ def close_factory(factory: object) -> None:
     folder), or a coroutine (``WarmPool``), which runs to its end here. For code outside an event loop (a
     workload's ``close``); inside one, await the factory's own ``close()``: a coroutine dropped un-awaited would
     leave its sandboxes running."""
-    close = getattr(factory, "close", None)
-    if close is None:
+    if not isinstance(factory, Closable):
         return
-    result = close()
+    result = factory.close()
     if inspect.isawaitable(result):
         asyncio.run(_awaited(result))
 
@@ -219,8 +285,4 @@ class SandboxWrapper:
 
 async def state_digest(sandbox: Sandbox) -> str | None:
     """The sandbox's optional state digest (None when the backend offers none)."""
-    method = getattr(sandbox, "state_digest", None)
-    if method is None:
-        return None
-    digest: str | None = await method()
-    return digest
+    return await sandbox.state_digest() if isinstance(sandbox, DigestsState) else None

@@ -29,7 +29,7 @@ from .calls import ToolCall, ToolSpec
 from .errors import InvalidInput, ReplayError, SandboxError, SessionClosed, SnapshotDeclined, SnapshotUnusable
 from .graph import Lease, Node, ToolCallGraph
 from .policies import CostModel, SnapshotPolicy
-from .protocol import Outcome, Sandbox, SandboxFactory, Snapshot
+from .protocol import ForksLocally, Outcome, Sandbox, SandboxFactory, Snapshot
 from .results import AuditFinding, CacheStats, ToolResult
 from .store.protocol import GraphStore
 
@@ -468,8 +468,7 @@ class Session:
         return sandbox
 
     def _fork_is_local(self, snapshot: Snapshot) -> bool:
-        is_local: Callable[[Snapshot], bool] | None = getattr(self.factory, "fork_is_local", None)
-        return True if is_local is None else is_local(snapshot)
+        return self.factory.fork_is_local(snapshot) if isinstance(self.factory, ForksLocally) else True
 
     async def _fork(self, lease: Lease, *, local: bool = True) -> Sandbox | None:
         """Fork the leased snapshot; None if that failed. A snapshot no process can fork any more

@@ -65,6 +65,7 @@ from typing import Any
 
 from .calls import ToolCall
 from .errors import TVCacheError
+from .protocol import route_counts
 
 __all__ = [
     "GRAMMAR",
@@ -1238,7 +1239,7 @@ async def _run_sequence(run: _Run, name: str, steps: Sequence[Step], reports: Se
             _compare(report, name, steps, uncached, truth, run.places, "reference")
             continue
         factory = run.flavour.factory(report.route)
-        before = _route_counts(factory)
+        before = route_counts(factory)
         directory = run.root / f"cache-{report.route}"
         started = time.monotonic()
         try:
@@ -1251,7 +1252,7 @@ async def _run_sequence(run: _Run, name: str, steps: Sequence[Step], reports: Se
         finally:
             report.seconds += time.monotonic() - started
             shutil.rmtree(directory, ignore_errors=True)
-        for key, count in _route_counts(factory).items():
+        for key, count in route_counts(factory).items():
             if count > before.get(key, 0):
                 report.routes[key] = report.routes.get(key, 0) + count - before.get(key, 0)
         for key, value in counters.items():
@@ -1268,11 +1269,6 @@ async def _run_sequence(run: _Run, name: str, steps: Sequence[Step], reports: Se
             report.executed += sum(not answer.served for answer in answers)
             _compare(report, name, steps, answers, truth, run.places, "reference")
             _compare(report, name, steps, answers, uncached, run.places, "uncached")
-
-
-def _route_counts(factory: Any) -> dict[str, int]:
-    counts = getattr(factory, "route_counts", None)
-    return dict(counts()) if counts is not None else {}
 
 
 async def fuzz(

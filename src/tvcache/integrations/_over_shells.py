@@ -9,7 +9,7 @@ from typing import Generic, TypeVar
 
 from ..calls import ToolSpec
 from ..errors import InvalidToolCall, SandboxError
-from ..protocol import Sandbox, Snapshot
+from ..protocol import Sandbox, Snapshot, cost_hints
 from ..sandboxes.shell.sandbox import ShellSandboxFactory
 
 __all__ = ["OverPersistentShells"]
@@ -32,7 +32,7 @@ class OverPersistentShells(Generic[Wrapped]):
             )
         self.shell = shell
         self._tools = tools
-        self.cost_hints: Mapping[str, float] = getattr(shell, "cost_hints", {})
+        self.cost_hints: Mapping[str, float] = cost_hints(shell)
 
     @property
     def tools(self) -> Mapping[str, ToolSpec]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..calls import ToolSpec
-from ..protocol import Sandbox, SandboxFactory, SandboxWrapper, Snapshot
+from ..protocol import DiscardsForeign, Sandbox, SandboxFactory, SandboxWrapper, Snapshot, cost_hints
 
 __all__ = ["PoolStats", "WarmPool"]
 
@@ -68,7 +68,7 @@ class WarmPool:
         self.roots = roots
         self.forks_per_snapshot = forks_per_snapshot
         self.stats = PoolStats()
-        self.cost_hints: Mapping[str, float] = getattr(factory, "cost_hints", {})
+        self.cost_hints: Mapping[str, float] = cost_hints(factory)
         self._ready_roots: list[Sandbox] = []
         self._ready_forks: dict[str, list[Sandbox]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -108,9 +108,8 @@ class WarmPool:
         sandboxes), and let the wrapped factory release what it can verify
         (``store.owners.SnapshotOwners._release_foreign``)."""
         self._stop_ready_forks(snapshot)
-        release = getattr(self.factory, "discard_foreign", None)
-        if release is not None:
-            release(snapshot)
+        if isinstance(self.factory, DiscardsForeign):
+            self.factory.discard_foreign(snapshot)
 
     def _stop_ready_forks(self, snapshot: Snapshot) -> None:
         self._discarded.add(snapshot.path)

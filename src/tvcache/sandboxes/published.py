@@ -38,7 +38,7 @@ from typing import Any
 
 from ..calls import ToolSpec
 from ..errors import SandboxError
-from ..protocol import Sandbox, SandboxFactory, SandboxWrapper, Snapshot
+from ..protocol import Sandbox, SandboxFactory, SandboxWrapper, Snapshot, cost_hints
 from ..snapshots.node_cache import NodeCache, check_format, pack
 from ..snapshots.publication import LAYERS, PUBLISHED, LayerRef, Publication, default_node_id, stack_digest
 from ..snapshots.stores import BlobStore, blob_digest, fetch_verified, new_publication_id
@@ -73,7 +73,7 @@ class PublishedSnapshots:
         self.store = store
         self.cache = cache or NodeCache()
         self.node_id = node_id or default_node_id()
-        self.cost_hints: Mapping[str, float] = getattr(factory, "cost_hints", {})
+        self.cost_hints: Mapping[str, float] = cost_hints(factory)
         self.published = 0
         self.swept = 0
         self._layers: _LayerPublisher | None = None

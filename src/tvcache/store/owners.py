@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from ..protocol import SandboxFactory, Snapshot, discard_snapshot_files, snapshot_inside
+from ..protocol import DiscardsForeign, SandboxFactory, Snapshot, discard_snapshot_files, snapshot_inside
 from ..snapshots.publication import PUBLISHED
 
 __all__ = ["SnapshotOwners"]
@@ -39,9 +39,8 @@ class SnapshotOwners:
     def register(self, factory: SandboxFactory) -> None:
         with self._lock:
             self._discarders.setdefault(factory.kind, factory.discard)
-            discard_foreign = getattr(factory, "discard_foreign", None)
-            if discard_foreign is not None:
-                self._foreign_discarders.setdefault(factory.kind, discard_foreign)
+            if isinstance(factory, DiscardsForeign):
+                self._foreign_discarders.setdefault(factory.kind, factory.discard_foreign)
 
     def own(self, snapshot: Snapshot, factory: SandboxFactory) -> None:
         """Evicting ``snapshot`` frees it through the factory that made it (two factories of one backend kind

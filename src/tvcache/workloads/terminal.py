@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import SandboxError
-from ..protocol import close_factory
+from ..protocol import close_factory, route_counts
 from ..sandboxes import ShellSandbox
 from ..sandboxes.commands import FIXED_PATH, fixed_environment
 from .base import Action, Task, Workload
@@ -236,7 +236,7 @@ def terminal_workload(data_dir: Path) -> Workload:
     def close() -> None:
         routes: Counter[str] = Counter()
         for task in tasks:
-            routes.update(getattr(task.factory, "route_counts", dict)())
+            routes.update(route_counts(task.factory))
             close_factory(task.factory)
         if routes:
             counted = ", ".join(f"{route} {count}" for route, count in sorted(routes.items()))
