@@ -38,7 +38,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from ...calls import ToolCall, ToolSpec
 from ...errors import SandboxError, SnapshotDeclined, SnapshotUnusable
@@ -67,11 +67,31 @@ from .routes import PERSISTENT_KIND, ROUTES, discard_process_state
 from .warm import WarmShells
 from .zygote import Confinement, Zygote
 
-__all__ = ["AnyShellSandbox", "ShellSandbox", "ShellSandboxFactory"]
+__all__ = ["AnyShellSandbox", "ShellFactoryOptions", "ShellSandbox", "ShellSandboxFactory"]
 
 KIND = "shell"
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+
+
+# What a FolderSandbox fallback keeps of them (the rest have no meaning for a copied tree).
+_FOLDER_OPTIONS = ("timeout", "max_output_bytes")
+
+
+class ShellFactoryOptions(TypedDict, total=False):
+    """``ShellSandboxFactory``'s keyword options (defaults and meaning there), for what builds one
+    (``ShellSandbox.factory``)."""
+
+    rootfs: bool
+    timeout: float
+    max_output_bytes: int
+    prove_read_only: bool
+    max_layers: int
+    store_root: str | os.PathLike[str] | None
+    environment: Mapping[str, str] | None
+    persistent: bool
+    visible: Sequence[str]
+    limits: SandboxLimits | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -267,29 +287,21 @@ class ShellSandbox(OverlaySandbox):
         cls,
         base_dir: str | os.PathLike[str],
         *,
-        rootfs: bool = False,
-        timeout: float = 60.0,
-        max_output_bytes: int = 1_000_000,
-        prove_read_only: bool = True,
-        max_layers: int = 128,
-        store_root: str | os.PathLike[str] | None = None,
-        environment: Mapping[str, str] | None = None,
         fallback: bool = True,
-        persistent: bool = False,
-        visible: Sequence[str] = (),
-        limits: SandboxLimits | None = DEFAULT_LIMITS,
+        **options: Unpack[ShellFactoryOptions],
     ) -> ShellSandboxFactory | FolderSandboxFactory:
         """Shell sandboxes over ``base_dir`` (a tree, or a root filesystem with ``rootfs=True``); with
         ``persistent=True``, one long-lived shell per sandbox (see ``persistent``). Commands see only a minimal view
         of the host (``factory.host_view()``); ``visible``: more host paths, files or directories (under the
         private ``/tmp`` too), that they see there, read-only. ``limits``: what each sandbox may use of the machine
-        (``SandboxLimits``: pids, memory, CPU, tmpfs sizes; None for no limits).
+        (``SandboxLimits``: pids, memory, CPU, tmpfs sizes; None for no limits). ``options`` are
+        ``ShellSandboxFactory``'s (``ShellFactoryOptions``; their defaults there).
 
         Where overlay mounts are not permitted (not root), returns a ``FolderSandbox`` factory that copies the
         tree instead, with a warning — or raises SandboxError when ``fallback`` is False.
         """
         if not linux.overlay_supported():
-            if not fallback or rootfs or persistent:
+            if not fallback or options.get("rootfs") or options.get("persistent"):
                 raise SandboxError(
                     "overlay mounts are not permitted here (run as root on Linux >= 6.8); "
                     "FolderSandbox copies trees instead"
@@ -300,20 +312,9 @@ class ShellSandbox(OverlaySandbox):
                 RuntimeWarning,
                 stacklevel=2,
             )
-            return FolderSandbox.factory(base_dir, timeout=timeout, max_output_bytes=max_output_bytes)
-        return ShellSandboxFactory(
-            base_dir,
-            rootfs=rootfs,
-            timeout=timeout,
-            max_output_bytes=max_output_bytes,
-            prove_read_only=prove_read_only,
-            max_layers=max_layers,
-            store_root=store_root,
-            environment=environment,
-            persistent=persistent,
-            visible=visible,
-            limits=limits,
-        )
+            copied: dict[str, Any] = {key: value for key, value in options.items() if key in _FOLDER_OPTIONS}
+            return FolderSandbox.factory(base_dir, **copied)
+        return ShellSandboxFactory(base_dir, **options)
 
     @classmethod
     def from_image(
