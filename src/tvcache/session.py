@@ -337,18 +337,7 @@ class Session:
             self.state = node
             self._sandbox_state = node
             await self._maybe_snapshot(sandbox, node)
-        seconds = time.perf_counter() - started
-        self.stats.seconds += seconds
-        return ToolResult(
-            call=call,
-            output=outcome.output,
-            is_error=outcome.is_error,
-            hit=False,
-            seconds=seconds,
-            seconds_saved=0.0,
-            cached=True,
-            node_id=node.id,
-        )
+        return self._executed(call, outcome, started, node)
 
     async def _execute_uncached(self, call: ToolCall, spec: ToolSpec, started: float) -> ToolResult:
         sandbox = await self._ensure_sandbox(self.state) if self.state is not None else self._live()
@@ -362,6 +351,10 @@ class Session:
             self._sandbox_state = None
         self.stats.uncached += 1
         self.cache.count("uncacheable")
+        return self._executed(call, outcome, started, None)
+
+    def _executed(self, call: ToolCall, outcome: Outcome, started: float, node: Node | None) -> ToolResult:
+        """The answer to a call executed here: recorded at ``node``, or left uncached (None)."""
         seconds = time.perf_counter() - started
         self.stats.seconds += seconds
         return ToolResult(
@@ -371,7 +364,8 @@ class Session:
             hit=False,
             seconds=seconds,
             seconds_saved=0.0,
-            cached=False,
+            cached=node is not None,
+            node_id=None if node is None else node.id,
         )
 
     async def _execute(self, sandbox: Sandbox, call: ToolCall) -> tuple[Outcome, float]:
