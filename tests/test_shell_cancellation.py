@@ -26,6 +26,7 @@ from tvcache.sandboxes import ShellSandbox, ShellSandboxFactory
 from tvcache.sandboxes.shell import process as _process
 from tvcache.sandboxes.shell import sandbox as shell_module
 from tvcache.sandboxes.shell.linux import overlay_supported
+from tvcache.sandboxes.shell.overlay import OverlaySandbox
 from tvcache.sandboxes.shell.persistent import PersistentShellSandbox
 
 pytestmark = pytest.mark.skipif(not overlay_supported(), reason="shell sandboxes need overlay mounts (root)")
@@ -149,12 +150,12 @@ def test_a_cancelled_snapshot_or_digest_keeps_the_sandbox_until_its_thread_is_do
     occupancy = Occupancy()
     factory = make_factory(tmp_path, persistent=persistent)
     step = {"snapshot": "_freeze", "state_digest": "_state_digest"}[operation]
-    held = Held(occupancy, operation, getattr(ShellSandbox, step))
+    held = Held(occupancy, operation, getattr(OverlaySandbox, step))
     dest = tmp_path / "snapshot"
 
     async def main() -> str:
         sandbox = await factory.start()
-        monkeypatch.setattr(ShellSandbox, step, held.function)
+        monkeypatch.setattr(OverlaySandbox, step, held.function)  # both kinds freeze and digest there
         instrument_calls(monkeypatch, occupancy, persistent=persistent)
         work: asyncio.Task[Any]
         if operation == "snapshot":
