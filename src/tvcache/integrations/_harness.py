@@ -1,17 +1,18 @@
-"""What the harness adapters (Harbor, mini-swe-agent, SWE-ReX) share: results that were exceptions, calls passed
-through uncached, and a sandbox over a harness's own environment object.
+"""What the harness adapters (Harbor, mini-swe-agent, SWE-ReX) share: one open cache per location, calls passed
+through uncached, and a sandbox over a harness's own environment object. Beside it: ``_recorded_errors``
+(answers that were exceptions) and ``_file_trees`` (upload digests, kept copies, tar archives).
 
 A harness environment answers some calls by raising (mini-swe-agent's ``Submitted``, SWE-ReX's
 ``NonZeroExitCodeError``). Such an answer is cached like a return value when the exception can be rebuilt
-exactly from its class and arguments (``recorded_exception``), and raised again on a hit; anything else runs
-uncached. A call the adapter does not understand is never keyed by a guess: it runs through the tool
-``PASS_THROUGH`` (declared non-deterministic, so never served from cache and, since it may change state, the
-rollout continues uncached from there), counted and logged once per kind.
+exactly from its class and arguments (``_recorded_errors.recorded_exception``), and raised again on a hit;
+anything else runs uncached (``_recorded_errors.UnrecordedErrors``). A call the adapter does not understand is
+never keyed by a guess: it runs through the tool ``PASS_THROUGH`` (declared non-deterministic, so never served
+from cache and, since it may change state, the rollout continues uncached from there), counted and logged once
+per kind.
 """
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import logging
@@ -33,8 +34,6 @@ __all__ = [
     "PASS_THROUGH_TOOLS",
     "HarnessSandbox",
     "PassThroughs",
-    "raise_recorded",
-    "recorded_exception",
     "shared_cache",
 ]
 
@@ -54,35 +53,6 @@ PASS_THROUGH_READ = ToolSpec(
 PASS_THROUGH_TOOLS = {spec.name: spec for spec in (PASS_THROUGH, PASS_THROUGH_READ)}
 
 Operation = Callable[[Any], Awaitable[Any]]
-
-
-def recorded_exception(error: BaseException) -> dict[str, Any] | None:
-    """``{"raise": ...}`` for an exception that ``raise_recorded`` rebuilds exactly (same importable class, same
-    JSON arguments, same message), else None."""
-    cls = type(error)
-    args = list(error.args)
-    try:
-        json.dumps(args)
-        module = importlib.import_module(cls.__module__)
-        if getattr(module, cls.__qualname__, None) is not cls:
-            return None
-        rebuilt = cls(*args)
-    except Exception:
-        return None
-    same = type(rebuilt) is cls and list(rebuilt.args) == args and str(rebuilt) == str(error)
-    if not same or vars(rebuilt) != vars(error):  # attributes __init__ set from elsewhere would be lost
-        return None
-    return {"raise": {"class": f"{cls.__module__}:{cls.__qualname__}", "args": args}}
-
-
-def raise_recorded(payload: dict[str, Any]) -> None:
-    """Raise the exception ``recorded_exception`` described, if ``payload`` holds one."""
-    recorded = payload.get("raise")
-    if recorded is None:
-        return
-    module, _, name = recorded["class"].partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    raise cls(*recorded["args"])
 
 
 _OPENED: dict[str, CacheLike] = {}

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import errno
-import importlib
 import json
 import os
 import shlex
@@ -45,12 +44,12 @@ from ..protocol import Outcome, Sandbox, Snapshot
 from ..sandboxes.commands import FIXED_PATH
 from ..sandboxes.shell.sandbox import ShellSandboxFactory
 from ._over_shells import OverPersistentShells
+from ._recorded_errors import class_path, rebuilt_described
 
 __all__ = [
     "SHELL_KIND",
     "WorkspaceShellFactory",
     "WorkspaceShellSandbox",
-    "rebuilt_error",
     "sdk_paths",
     "workspace_tool_specs",
 ]
@@ -166,29 +165,13 @@ def sdk_paths() -> tuple[str, ...]:
     return tuple(dict.fromkeys(os.path.realpath(path) for path in (sys.prefix, sys.base_prefix)))
 
 
-def rebuilt_error(found: Mapping[str, Any]) -> BaseException:
-    """The exception ``found`` describes (class, arguments, attributes), as it was raised in the sandbox."""
-    module, _, name = found["class"].partition(":")
-    cls: Any = importlib.import_module(module)
-    for part in name.split("."):
-        cls = getattr(cls, part)
-    args = found["args"]
-    if issubclass(cls, OSError) and len(args) == 2:
-        error: BaseException = cls(args[0], args[1], found.get("filename"), None, found.get("filename2"))
-    else:
-        error = cls.__new__(cls)
-        error.args = tuple(args)
-    error.__dict__.update(found.get("attrs", {}))
-    return error
-
-
 def os_error(name: str, path: str) -> dict[str, Any]:
     """The description of the ``OSError`` Python raises for errno ``name`` on ``path``."""
     number = getattr(errno, name)
     cls = {"ENOENT": FileNotFoundError, "ENOTDIR": NotADirectoryError, "EISDIR": IsADirectoryError}.get(
         name, PermissionError if name == "EACCES" else OSError
     )
-    return {"class": f"builtins:{cls.__qualname__}", "args": [number, os.strerror(number)], "filename": path}
+    return {"class": class_path(cls), "args": [number, os.strerror(number)], "filename": path}
 
 
 class WorkspaceShellFactory(OverPersistentShells["WorkspaceShellSandbox"]):
@@ -387,7 +370,7 @@ class WorkspaceShellSandbox:
         if fields[0] == "ok":
             return {"size": int(fields[1]) if len(fields) > 1 else None}, outcome.deterministic
         if fields[0] == "oserror":
-            return {"error": str(rebuilt_error(os_error(fields[1], fields[2])))}, outcome.deterministic
+            return {"error": str(rebuilt_described(os_error(fields[1], fields[2])))}, outcome.deterministic
         return {"error": _why(fields)}, outcome.deterministic
 
     async def _file_download(self, call: ToolCall) -> tuple[dict[str, Any], bool]:

@@ -46,15 +46,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
-import importlib
 import io
 import json
 import os
 import re
 import shlex
-import shutil
-import tarfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -66,8 +62,10 @@ from ..errors import SandboxError, SnapshotDeclined, UnknownTool
 from ..protocol import Outcome, Sandbox, Snapshot
 from ..sandboxes.commands import FIXED_PATH
 from ..sandboxes.shell.sandbox import ShellSandboxFactory
+from ._file_trees import keep_copy, pack, upload_digest
 from ._over_shells import OverPersistentShells
-from .optional_imports import require
+from ._recorded_errors import class_path, raise_recorded, recorded_payload
+from .optional_imports import import_ref, require
 
 __all__ = [
     "PS1",
@@ -78,6 +76,8 @@ __all__ = [
     "TypedCommand",
     "answer",
     "keep_upload",
+    "rebuilt_response",
+    "response_payload",
     "shell_tool_specs",
     "tree_digest",
     "typed_command",
@@ -161,62 +161,46 @@ def shell_tool_specs(deterministic: bool | None = None) -> dict[str, ToolSpec]:
 
 
 def tree_digest(path: Path) -> str:
-    """A digest of a file or directory tree: relative names, kinds, modes, link targets and contents."""
-    digest = hashlib.blake2b(digest_size=16)
-    if not path.is_dir():  # a file is uploaded by its content (a link is followed, as the runtimes copy)
-        digest.update(f"file\0{path.stat().st_mode:o}\0".encode() + path.read_bytes())
-        return digest.hexdigest()
-    for entry in sorted(path.rglob("*")):
-        name = entry.relative_to(path).as_posix()
-        mode = entry.lstat().st_mode
-        digest.update(f"{name}\0{mode:o}\0".encode())
-        if entry.is_symlink():
-            digest.update(os.readlink(entry).encode())
-        elif entry.is_file():
-            digest.update(entry.read_bytes())
-        digest.update(b"\0")
-    return digest.hexdigest()
+    """A digest of a file or directory tree: relative names, kinds, modes, link targets and contents. A file alone
+    is hashed with its whole ``st_mode`` (read through a link, as the runtimes copy it), a link by its target as
+    it holds it: SWE-ReX's rules (``upload_digest``), kept since its digests are cached keys."""
+    return upload_digest(path, whole_file_mode=True, pathlib_links=False)
 
 
 def keep_upload(source: Path, uploads: Path) -> dict[str, Any]:
     """Copy what an UploadRequest names into ``uploads`` (replays need it after the caller's file changed or
     vanished) and return the call's arguments: keyed by content, never by the local path."""
     digest = tree_digest(source)
-    kept = uploads / digest / source.name
-    if not kept.parent.exists():
-        kept.parent.mkdir()
-        if source.is_dir():
-            shutil.copytree(source, kept, symlinks=True)
-        else:
-            shutil.copy2(source, kept)
+    keep_copy(source, uploads / digest / source.name)
     return {"digest": digest, "name": source.name}
 
 
 # ------------------------------------------------------------------------------------------------ payloads
 
 
-def _response(model: Any) -> dict[str, Any]:
-    cls = type(model)
-    return {"class": f"{cls.__module__}:{cls.__qualname__}", "response": model.model_dump(mode="json")}
+def response_payload(model: Any) -> dict[str, Any]:
+    """A SWE-ReX response model as a payload (both flavours write it): its class and its JSON."""
+    return {"class": class_path(type(model)), "response": model.model_dump(mode="json")}
+
+
+def rebuilt_response(payload: Mapping[str, Any]) -> Any:
+    """The response model ``response_payload`` wrote."""
+    return import_ref(payload["class"]).model_validate(payload["response"])
 
 
 def _error(cls: type[BaseException], *args: Any, **kwargs: Any) -> dict[str, Any]:
-    return {"raise": {"class": f"{cls.__module__}:{cls.__qualname__}", "args": list(args), "kwargs": kwargs}}
+    return recorded_payload(cls, args, kwargs=kwargs)  # "kwargs" always written, {} included
 
 
 def answer(payload: Mapping[str, Any], arguments: Mapping[str, Any]) -> Any:
     """The response (or the exception, raised) a sandbox's payload describes. ``arguments``: the request's."""
-    recorded = payload.get("raise")
-    if recorded is not None:
-        module, _, name = recorded["class"].partition(":")
-        raise getattr(importlib.import_module(module), name)(*recorded["args"], **recorded.get("kwargs", {}))
+    raise_recorded(payload)
     abstract = require("swerex.runtime.abstract", "swe-rex")
     if "data" in payload:  # read_file: decoded here, as Path.read_text decodes (universal newlines included)
         raw = io.BytesIO(base64.b64decode(payload["data"]))
         with io.TextIOWrapper(raw, encoding=arguments.get("encoding"), errors=arguments.get("errors")) as text:
             return abstract.ReadFileResponse(content=text.read())
-    module, _, name = payload["class"].partition(":")
-    return getattr(importlib.import_module(module), name).model_validate(payload["response"])
+    return rebuilt_response(payload)
 
 
 # ------------------------------------------------------------------------------------------------- sandbox
@@ -318,7 +302,7 @@ class SweRexShellSandbox:
                 f"startup_timeout={limit} s; the sources ran on, and their output heads the next command's"
             )
             return _error(require("pexpect", "swe-rex").TIMEOUT, message), False
-        return _response(abstract.CreateBashSessionResponse(output=output)), outcome.deterministic
+        return response_payload(abstract.CreateBashSessionResponse(output=output)), outcome.deterministic
 
     async def _run_in_session(self, action: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """What BashSession._run_normal does, step by step: the syntax check, the text it types (``typed``), the
@@ -353,7 +337,7 @@ class SweRexShellSandbox:
                 text = text.split(UNIQUE, 1)[0]
             output += _strip(text if marked else _NOTES.sub("", text)).replace(_MARK_ECHO, "")
         if action["check"] == "ignore":
-            return _response(_observation(output=output, expect_string=typed.expect)), deterministic
+            return response_payload(_observation(output=output, expect_string=typed.expect)), deterministic
         probed = await self._probe(typed.text, output)
         return self._checked(action, typed, probed), deterministic and probed.deterministic
 
@@ -363,7 +347,7 @@ class SweRexShellSandbox:
         if probed.exit_code is None:
             if action["check"] == "raise":
                 return _error(exceptions.NoExitCodeError, probed.error)
-            return _response(_observation(output=probed.output, expect_string=typed.expect))
+            return response_payload(_observation(output=probed.output, expect_string=typed.expect))
         if action["check"] == "raise" and probed.exit_code != 0:
             message = (
                 f"Command {action['command']!r} failed with exit code {probed.exit_code}. Here is the output:\n"
@@ -373,7 +357,7 @@ class SweRexShellSandbox:
                 message = f"{action['error_msg']}: {message}"
             return _error(exceptions.NonZeroExitCodeError, message)
         observation = _observation(output=probed.output, exit_code=probed.exit_code, expect_string=typed.expect)
-        return _response(observation)
+        return response_payload(observation)
 
     def _end(self, text: str) -> dict[str, Any]:
         """The session's shell ended (``exit``): SWE-ReX's pexpect raises EOF, now and for every later command."""
@@ -478,7 +462,7 @@ class SweRexShellSandbox:
             if command["error_msg"]:
                 message = f"{command['error_msg']}: {message}"
             return _error(exceptions.NonZeroExitCodeError, message), deterministic
-        return _response(response), deterministic
+        return response_payload(response), deterministic
 
     async def _read_file(self, request: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         path = request["path"]
@@ -499,13 +483,13 @@ class SweRexShellSandbox:
         if fields[0] != "ok":
             return _os_error(fields[0], fields, path), outcome.deterministic
         abstract = require("swerex.runtime.abstract", "swe-rex")
-        return _response(abstract.WriteFileResponse()), outcome.deterministic
+        return response_payload(abstract.WriteFileResponse()), outcome.deterministic
 
     async def _upload(self, request: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         source = self._factory.uploads / request["digest"] / request["name"]
         target = request["target_path"]
         if source.is_dir():
-            outcome, fields = await self._helper("putdir", target, data=_pack(source))
+            outcome, fields = await self._helper("putdir", target, data=pack(source, follow_links=True))
         else:
             mode = f"{source.stat().st_mode & 0o7777:o}"
             outcome, fields = await self._helper("putfile", target, source.name, mode, data=source.read_bytes())
@@ -514,7 +498,7 @@ class SweRexShellSandbox:
         if fields[0] != "ok":
             return _os_error(fields[0], fields, target), outcome.deterministic
         abstract = require("swerex.runtime.abstract", "swe-rex")
-        return _response(abstract.UploadResponse()), outcome.deterministic
+        return response_payload(abstract.UploadResponse()), outcome.deterministic
 
     def __repr__(self) -> str:
         return f"SweRexShellSandbox({self.inner!r})"
@@ -632,12 +616,3 @@ def _syntax_error(command: str, code: int, stdout: str, stderr: str) -> dict[str
     exceptions = require("swerex.exceptions", "swe-rex")
     extra = {"bash_stdout": stdout, "bash_stderr": stderr}
     return _error(exceptions.BashIncorrectSyntaxError, message, extra_info=extra)
-
-
-def _pack(path: Path) -> bytes:
-    """A directory as a tar archive, links followed (as shutil.copytree copies by default)."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", dereference=True) as archive:
-        for entry in sorted(path.rglob("*")):
-            archive.add(entry, arcname=entry.relative_to(path).as_posix(), recursive=False)
-    return buffer.getvalue()

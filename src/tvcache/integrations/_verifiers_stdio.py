@@ -11,12 +11,11 @@ environment variables (``TOOLSET``, ``CONFIG``, ``TASK``, ``READ_ONLY`` below), 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import os
 from typing import Any
 
-from .optional_imports import require
+from .optional_imports import import_ref, require
 
 __all__ = ["CONFIG", "READ_ONLY", "TASK", "TOOLSET", "import_ref", "serve"]
 
@@ -24,15 +23,6 @@ TOOLSET = "TVCACHE_VF_TOOLSET"  # "module:Class" of the toolset
 CONFIG = "TVCACHE_VF_TOOLSET_CONFIG"  # its config, as JSON
 TASK = "TVCACHE_VF_TASK"  # {"cls": "module:Class", "task": JSON} of the rollout's TaskData, or absent
 READ_ONLY = "TVCACHE_VF_READ_ONLY"  # JSON list of the tool names to annotate readOnlyHint
-
-
-def import_ref(ref: str) -> Any:
-    """The object a ``module:Qualified.Name`` reference names (verifiers' own notation)."""
-    module, _, qualname = ref.partition(":")
-    found: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        found = getattr(found, part)
-    return found
 
 
 async def serve() -> None:

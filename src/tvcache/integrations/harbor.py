@@ -39,7 +39,6 @@ until ``stop``.
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import itertools
 import json
@@ -55,7 +54,9 @@ from ..calls import ToolCall, ToolSpec
 from ..errors import InvalidToolCall, SandboxError
 from ..protocol import Outcome
 from ..sandboxes import ShellSandbox
-from ._harness import PASS_THROUGH_TOOLS, HarnessSandbox, PassThroughs, raise_recorded, recorded_exception, shared_cache
+from ._file_trees import keep_copy, pack, upload_digest
+from ._harness import PASS_THROUGH_TOOLS, HarnessSandbox, PassThroughs, shared_cache
+from ._recorded_errors import UnrecordedErrors
 from .cache_location import CacheLocation
 from .external_sandboxes import ExternalSandboxFactory
 from .optional_imports import require
@@ -82,29 +83,15 @@ def tool_specs(deterministic: bool | None = None) -> dict[str, ToolSpec]:
 
 
 def content_digest(path: Path) -> str:
-    """A digest of a file or tree as an upload sees it: names, kinds, modes, link targets and contents."""
-    digest = hashlib.blake2b(digest_size=16)
-    if not path.is_dir():
-        digest.update(f"file\0{path.stat().st_mode & 0o7777:o}\0".encode() + path.read_bytes())
-        return digest.hexdigest()
-    for entry in sorted(path.rglob("*")):
-        mode = entry.lstat().st_mode
-        digest.update(f"{entry.relative_to(path).as_posix()}\0{mode:o}\0".encode())
-        if entry.is_symlink():
-            digest.update(str(entry.readlink()).encode())
-        elif entry.is_file():
-            digest.update(entry.read_bytes())
-        digest.update(b"\0")
-    return digest.hexdigest()
+    """A digest of a file or tree as an upload sees it: names, kinds, modes, link targets and contents. A file
+    alone is hashed with its permission bits only, a link by its target as pathlib spells it: Harbor's rules
+    (``upload_digest``), kept since its digests are cached keys."""
+    return upload_digest(path, whole_file_mode=False, pathlib_links=True)
 
 
 def _pack(path: Path) -> bytes:
-    """The files under ``path`` as a tar archive (for downloads: what a hit writes back)."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as archive:
-        for entry in sorted(path.rglob("*")):
-            archive.add(entry, arcname=entry.relative_to(path).as_posix(), recursive=False)
-    return buffer.getvalue()
+    """The files under ``path`` as a tar archive, links as links (for downloads: what a hit writes back)."""
+    return pack(path, follow_links=False)
 
 
 def _unpack(data: bytes, target: Path) -> None:
@@ -150,8 +137,7 @@ class CachingEnvironment(BaseEnvironment):  # type: ignore[misc]
         self.pass_throughs = PassThroughs(KIND)
         self.environments_started = 0
         self._uploads = Path(tempfile.mkdtemp(prefix="tvcache-harbor-uploads-"))
-        self._unrecorded: dict[int, BaseException] = {}
-        self._ids = itertools.count()
+        self._unrecorded = UnrecordedErrors()
         factory = ExternalSandboxFactory(kind=KIND, tools=tool_specs(deterministic), start=self._start)
         self.session = shared_cache(cache).session(self.task_id, sandbox=factory)
 
@@ -225,21 +211,13 @@ class CachingEnvironment(BaseEnvironment):  # type: ignore[misc]
 
     async def _upload(self, tool: str, source: Path, target: str) -> None:
         digest = content_digest(source)
-        kept = self._uploads / digest / "content"
-        if not kept.parent.exists():  # what replays upload: the caller's file may change or vanish meanwhile
-            kept.parent.mkdir()
-            if source.is_dir():
-                shutil.copytree(source, kept, symlinks=True)
-            else:
-                shutil.copy2(source, kept)
+        keep_copy(source, self._uploads / digest / "content")  # what replays upload
         await self._call(tool, {"digest": digest, "target": target})
 
     async def _call(self, tool: str, arguments: dict[str, Any]) -> Any:
         result = await self.session.call(tool, arguments)
         payload = json.loads(result.output)
-        if "unrecorded" in payload:
-            raise self._unrecorded.pop(payload["unrecorded"])
-        raise_recorded(payload)
+        self._unrecorded.raise_any(payload)
         if tool == "exec":
             return _base.ExecResult.model_validate(payload["result"])
         if tool in _READS:
@@ -286,12 +264,7 @@ class CachingEnvironment(BaseEnvironment):  # type: ignore[misc]
                 data = target.read_bytes() if call.name == "download_file" else _pack(target)
             return Outcome(output=json.dumps({"base64": base64.b64encode(data).decode()}))
         except Exception as error:
-            recorded = recorded_exception(error)
-            if recorded is None or isinstance(error, TimeoutError):  # a timeout's effects depend on timing
-                key = next(self._ids)
-                self._unrecorded[key] = error
-                return Outcome(output=json.dumps({"unrecorded": key}), is_error=True, deterministic=False)
-            return Outcome(output=json.dumps(recorded), is_error=True)
+            return self._unrecorded.outcome(error, timeouts=(TimeoutError,))  # a timeout's effects depend on timing
 
 
 async def _stop(real: Any) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib
 import inspect
 import itertools
 import json
@@ -41,6 +40,7 @@ from ..calls import ToolCall, ToolSpec
 from ..errors import InvalidToolCall
 from ..protocol import Outcome
 from ._harness import PASS_THROUGH_TOOLS, HarnessSandbox, PassThroughs, shared_cache
+from ._recorded_errors import raise_recorded, recorded_payload
 from .background_loop import shared_loop
 from .cache_location import CacheLocation
 from .external_sandboxes import ExternalSandboxFactory
@@ -104,10 +104,7 @@ class CachingEnvironment:
             return passed
         result = shared_loop().run(self.session.call(EXECUTE, key))
         payload = json.loads(result.output)
-        if "raise" in payload:
-            raised = payload["raise"]
-            module, _, name = raised["class"].partition(":")
-            raise getattr(importlib.import_module(module), name)(*raised["messages"])
+        raise_recorded(payload, field="messages")
         output: dict[str, Any] = payload["output"]
         return output
 
@@ -171,10 +168,8 @@ async def _run(real: Any, call: ToolCall) -> Outcome:
             real.execute, arguments["action"], arguments["cwd"], timeout=arguments["timeout"]
         )
     except interrupt as raised:  # Submitted and its kin: the answer is the exception, with its messages
-        cls = type(raised)
-        messages = list(raised.messages)
-        rebuilt = {"raise": {"class": f"{cls.__module__}:{cls.__qualname__}", "messages": messages}}
-        return Outcome(output=json.dumps(rebuilt))  # insertion order kept: dicts come back as they were
+        recorded = recorded_payload(type(raised), raised.messages, field="messages")
+        return Outcome(output=json.dumps(recorded))  # insertion order kept: dicts come back as they were
     timed_out = output.get("extra", {}).get("exception_type") in _TIMEOUTS  # how far it got depends on timing
     text = json.dumps({"output": output})
     return Outcome(output=text, is_error=output.get("returncode") != 0, deterministic=not timed_out)

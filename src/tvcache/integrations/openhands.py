@@ -71,8 +71,9 @@ from pydantic import PrivateAttr
 from ..errors import SandboxError, TVCacheError
 from ..sandboxes.shell.sandbox import ShellSandboxFactory
 from ._harness import shared_cache
-from ._openhands_sandbox import WorkspaceShellFactory, WorkspaceShellSandbox, rebuilt_error, sdk_paths
+from ._openhands_sandbox import WorkspaceShellFactory, WorkspaceShellSandbox, sdk_paths
 from ._openhands_tool import WorkspaceCommandAction, WorkspaceCommandObservation, WorkspaceCommandTool
+from ._recorded_errors import rebuilt_described
 from .background_loop import shared_loop
 from .cache_location import CacheLocation
 from .optional_imports import require
@@ -230,7 +231,7 @@ class CachingWorkspace(LocalWorkspace):  # type: ignore[misc]
             result = shared_loop().run(self._session.call(tool, arguments))
         payload: dict[str, Any] = json.loads(result.output)
         if "raise" in payload:
-            raise rebuilt_error(payload["raise"])
+            raise rebuilt_described(payload["raise"])
         return payload
 
     def _git_call(self, tool: str, path: str | Path) -> dict[str, Any]:

@@ -44,7 +44,6 @@ each with the test that pins it: docs/harnesses.md.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import shutil
@@ -57,9 +56,10 @@ from ..calls import ToolCall, ToolSpec
 from ..errors import InvalidToolCall
 from ..protocol import Outcome
 from ..sandboxes.shell.sandbox import ShellSandboxFactory
-from ._harness import PASS_THROUGH_TOOLS, HarnessSandbox, PassThroughs, raise_recorded, recorded_exception, shared_cache
+from ._harness import PASS_THROUGH_TOOLS, HarnessSandbox, PassThroughs, shared_cache
+from ._recorded_errors import UnrecordedErrors
 from ._swerex_shell_runtime import ShellDeployment, ShellRuntime
-from ._swerex_shell_sandbox import keep_upload, shell_tool_specs
+from ._swerex_shell_sandbox import keep_upload, rebuilt_response, response_payload, shell_tool_specs
 from .cache_location import CacheLocation
 from .external_sandboxes import ExternalSandboxFactory
 from .optional_imports import require
@@ -97,8 +97,7 @@ class CachingRuntime:
         self.pass_throughs = PassThroughs(KIND)
         self.deployments_started = 0
         self._uploads = Path(tempfile.mkdtemp(prefix="tvcache-swerex-uploads-"))
-        self._unrecorded: dict[int, BaseException] = {}
-        self._ids = itertools.count()
+        self._unrecorded = UnrecordedErrors()
         factory = ExternalSandboxFactory(kind=KIND, tools=tool_specs(deterministic), start=self._start)
         self.session = shared_cache(cache).session(task_id, sandbox=factory)
         self.closed = False
@@ -167,11 +166,8 @@ class CachingRuntime:
     async def _call(self, tool: str, arguments: dict[str, Any]) -> Any:
         result = await self.session.call(tool, arguments)
         payload = json.loads(result.output)
-        if "unrecorded" in payload:
-            raise self._unrecorded.pop(payload["unrecorded"])
-        raise_recorded(payload)
-        module, _, name = payload["class"].partition(":")
-        return getattr(importlib.import_module(module), name).model_validate(payload["response"])
+        self._unrecorded.raise_any(payload)
+        return rebuilt_response(payload)
 
     async def _pass(self, kind: str, why: str, operation: Callable[[Any], Any]) -> Any:
         """Run ``operation(real_runtime)`` uncached (the sandbox holds the real deployment)."""
@@ -196,16 +192,8 @@ class CachingRuntime:
         try:
             response = await getattr(runtime, call.name)(request)
         except Exception as error:
-            recorded = recorded_exception(error)
-            timed_out = isinstance(error, _timeouts())  # how far the command got depends on timing
-            if recorded is None or timed_out:
-                key = next(self._ids)
-                self._unrecorded[key] = error
-                return Outcome(output=json.dumps({"unrecorded": key}), is_error=True, deterministic=False)
-            return Outcome(output=json.dumps(recorded), is_error=True)
-        cls = type(response)
-        payload = {"class": f"{cls.__module__}:{cls.__qualname__}", "response": response.model_dump(mode="json")}
-        return Outcome(output=json.dumps(payload))
+            return self._unrecorded.outcome(error, timeouts=_timeouts())  # how far it got depends on timing
+        return Outcome(output=json.dumps(response_payload(response)))
 
     def __repr__(self) -> str:
         return f"CachingRuntime(task_id={self.task_id!r})"
