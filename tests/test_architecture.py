@@ -912,8 +912,12 @@ def registration_report(src: Path, roots: Iterable[str]) -> list[str]:
         for statement in _module_level(tree.body):
             if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 nodes: list[ast.AST] = list(statement.decorator_list)
-            elif isinstance(statement, ast.If | ast.Try | ast.With):
-                nodes = [] if isinstance(statement, ast.Try) else [getattr(statement, "test", statement)]
+            elif isinstance(statement, ast.If):
+                nodes = [statement.test]  # its blocks come from _module_level
+            elif isinstance(statement, ast.With):
+                nodes = [item.context_expr for item in statement.items]
+            elif isinstance(statement, ast.Try):
+                nodes = []
             else:
                 nodes = [statement]
             for top in nodes:

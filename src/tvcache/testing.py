@@ -36,7 +36,7 @@ from pathlib import Path
 from .calls import ToolCall
 from .confinement import CONFINEMENT_CHECKS, ConfinementCheckFailed, ConfinementProbe, check_confinement
 from .errors import InvalidToolCall, SandboxError, TVCacheError, UnknownTool
-from .protocol import CostHinted, Outcome, Sandbox, SandboxFactory, Snapshot, state_digest
+from .protocol import Outcome, Sandbox, SandboxFactory, Snapshot, cost_hints, state_digest
 
 __all__ = [
     "CHECKS",
@@ -151,7 +151,7 @@ class _Run:
 async def _protocol(run: _Run) -> None:
     factory = run.factory
     run.expect(isinstance(factory, SandboxFactory), f"{factory!r} lacks kind, tools, start, fork or discard")
-    hints = factory.cost_hints if isinstance(factory, CostHinted) else {}
+    hints = cost_hints(factory)
     run.expect(isinstance(hints, Mapping), f"cost_hints is a {type(hints).__name__}, not a mapping")
     run.expect(set(hints) <= COST_HINTS, f"cost_hints has keys {sorted(set(hints) - COST_HINTS)} (known: start, "
                "fork, snapshot)")  # fmt: skip

@@ -736,8 +736,8 @@ def take_capture(shell: CapturedShell, *, checked: bool = True) -> bytes:
     and parsed, with the sections read from outside added; as ``encode_state`` bytes. CaptureRefused says why
     not; the shell then goes on as it was (a state too large included), unless it did not finish the trap by
     CAPTURE_SECONDS (it is killed: the rest of the capture could come later, inside a command's output;
-    ``shell.alive`` turns False). ``checked=False``
-    skips the checks that no code of the user's can run inside the trap: for a shell that ran only our boot."""
+    ``shell.alive`` turns False). ``checked=False`` skips the checks that no code of the user's can run inside
+    the trap: for a shell that ran only our boot."""
     spawned = shell.spawned
     if spawned is None or not shell.alive:
         raise CaptureRefused("the shell is gone")
