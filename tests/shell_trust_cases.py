@@ -97,6 +97,17 @@ def _background(outcomes: list[Outcome]) -> None:
     assert not carrying[0].deterministic
 
 
+def _killed_job(outcomes: list[Outcome]) -> None:
+    """`kill %1` returns before its job dies: the notice lands in that call or the next, as in a plain bash, and
+    neither is cached as deterministic; no prompt of ours shows either way."""
+    noticed = [outcome for outcome in outcomes[1:] if "Terminated" in outcome.output]
+    assert len(noticed) == 1, [outcome.output for outcome in outcomes]
+    assert not outcomes[1].deterministic
+    assert not noticed[0].deterministic
+    assert outcomes[2].output.endswith("next\n")
+    assert not [line for outcome in outcomes for line in outcome.output.splitlines() if line.startswith("> ")]
+
+
 CASES = (
     Case("history forgery", ("set -o history", HISTORY_FORGERY, "echo after"), _forged_history),
     Case("debug-trap forgery", (DEBUG_FORGERY, "false", 'echo "$?"'), _forged_debug),
@@ -125,6 +136,7 @@ CASES = (
         _pipestatus_and_underscore,
     ),
     Case("prompt", ("PS1='(.venv) '\"$PS1\"", "echo p", 'echo "$PS1"'), _prompt),
+    Case("killed job", ("sleep 30 &", "kill %1", "echo next"), _killed_job),
 )
 
 

@@ -243,7 +243,7 @@ def test_a_background_job_declines_the_snapshot_and_replay_stays_exact(tmp_path:
     stem = ["cd sub1", "export MODE=fast", "sleep 30 & echo started", "jobs", "echo $! $MODE"]
     histories = [
         [ToolCall("sh", {"cmd": text}) for text in stem + tail]
-        for tail in (["pwd"], ["kill %1; wait; echo $?"], ["echo $$ $BASHPID; jobs -p | wc -l"], ["pwd"])
+        for tail in (["pwd"], ["kill %1; wait %1; echo $?"], ["echo $$ $BASHPID; jobs -p | wc -l"], ["pwd"])
     ]
 
     async def main() -> list[tuple[list[tuple[str, bool]], list[str]]]:

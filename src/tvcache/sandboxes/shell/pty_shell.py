@@ -606,9 +606,10 @@ class PtyShell:
             state: Idle | None = None
             verbose = before is not None and before.verbose
             prompts = self._fixed_prompts()
-            if len(lines) == 1 and not processes and before is not None and not verbose and prompts is not None:
-                # One line and nothing else in the namespace (no job notice can come first): both lines at once,
-                # one wait instead of two; what bash printed for the terminal's user is told apart afterwards.
+            if len(lines) == 1 and not processes and not jobs[1] and before is not None and not verbose and prompts:
+                # One line, nothing else in the namespace and no ended job in bash's table (whose notice would come
+                # before the PS2): both lines at once, one wait instead of two; what bash printed for the
+                # terminal's user is told apart afterwards.
                 line = _CLOSE_GROUP
                 typed = f"{lines[0]}\n{_CLOSE_GROUP}\n".encode("utf-8", errors="surrogateescape")
                 at_once = prompts[2]
@@ -662,11 +663,11 @@ class PtyShell:
             after = self._others_after = self._others()
             last_job_after, held, ended = self.observer.jobs()
             jobs_after = self._jobs_after = (held, ended)
-            # A job of the shell ended during the call (more ended, or fewer left), or one it started ended already.
+            # A job of the shell ended during the call (more ended, or fewer left), or one it started ended already,
+            # or one is ending (`kill %1` returns before its job dies: its notice may come now or with the next call).
             job_moved = jobs_after[1] != jobs[1] or jobs_after[0] < jobs[0] or self._job_ended(last_job, last_job_after)
-            return self._result(
-                collected, state.status, background=background or job_moved or self._wrote(processes, after)
-            )
+            moving = job_moved or self._wrote(processes, after) or any(map(_ending, after))
+            return self._result(collected, state.status, background=background or moving)
         except ShellReplaced as replaced:
             yield math.inf
             ended = not os.path.exists(f"/proc/{self.pid}/exe") or not self.alive  # it exited, not exec'd
@@ -1040,6 +1041,22 @@ def _typed_at_once(output: bytes, status: int, ps0: bytes, ps1: bytes, ps2: byte
     if ps1 and output.endswith(ps1):
         output = output[: len(output) - len(ps1)]
     return output
+
+
+_PF_EXITING = 0x4  # linux/sched.h: the task is in do_exit
+
+
+def _ending(pid: int) -> bool:
+    """Whether the process is ending or has ended (a zombie its parent has not reaped, exiting, or with a signal
+    pending, as a fatal one is from the moment it is sent until the process exits): its end, and the job notice
+    it brings, come at a moment the call does not control. ``/proc/PID/stat``'s 31st field is the thread's
+    private pending set, where the kernel puts the SIGKILL that a fatal signal becomes."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rpartition(b")")[2].split()
+        return fields[0] in (b"Z", b"X", b"x") or bool(int(fields[6]) & _PF_EXITING) or fields[28] != b"0"
+    except (OSError, IndexError, ValueError):
+        return True  # it just went: its parent may not have reaped it yet
 
 
 def _without_prefix(output: bytes, prefix: bytes) -> bytes:
