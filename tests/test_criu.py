@@ -445,13 +445,21 @@ NETWORK = "cat /proc/net/dev | cut -d: -f1 | tr -d ' '; cat /proc/net/if_inet6; 
 
 
 @needs_criu
+@pytest.mark.parametrize("nsenter", [True, False], ids=["inside-the-namespace", "named-external"])
 def test_a_network_namespace_nothing_can_configure_is_made_anew_not_carried(
-    setting: tuple[Criu, Zygote, Trees],
+    setting: tuple[Criu, Zygote, Trees], monkeypatch: pytest.MonkeyPatch, nsenter: bool
 ) -> None:
     """The sandbox's processes lack CAP_NET_ADMIN, so its network namespace is exactly the zygote's new one
-    with its loopback up: the dump leaves it out as an external namespace (no ip(8) or iptables runs either way)
-    and a restore gets a new one its keeper made. The copy's network reads as the original's, and its server
-    listens on its loopback."""
+    with its loopback up: the dump leaves it out (its CRIU runs inside it, or, without nsenter, names it
+    external; no ip(8) or iptables runs either way) and a restore gets a new one its keeper made. The copy's
+    network reads as the original's, and its server listens on its loopback."""
+    import tvcache.sandboxes.shell.criu as criu_module
+
+    if not nsenter:
+        which = criu_module.shutil.which
+        monkeypatch.setattr(
+            criu_module.shutil, "which", lambda name, **kw: None if name == "nsenter" else which(name, **kw)
+        )
     criu, zygote, trees = setting
     original = Shell.start(zygote, trees.mount([trees.base]))
     try:
@@ -461,7 +469,10 @@ def test_a_network_namespace_nothing_can_configure_is_made_anew_not_carried(
         dumped = criu.dump(original.pid, trees.root / "images", tree_mountpoint=str(trees.base))
     finally:
         original.close()
-    assert json.loads((dumped.images / META_FILE).read_text())["network"] == "new loopback"
+    meta = json.loads((dumped.images / META_FILE).read_text())
+    assert meta["network"] == ("new loopback, CRIU's own" if nsenter else "new loopback")
+    # Inside it, the namespace is CRIU's own: no image of it at all (and no walk of the conntrack tables).
+    assert bool(list(dumped.images.glob("netns-*.img"))) is not nsenter
     shell, _ = restore_shell(criu, dumped.images, trees.mount([trees.base]))
     try:
         assert answers_http(shell)

@@ -33,9 +33,11 @@ from . import linux
 from .cgroups import LimitWatch, TreeCgroup
 from .zygote_process import Confiner, loopback_up, make_mount_points, message, receive, send
 
-# A tree's network namespace that nothing in it can configure is external to CRIU (see ``criu``): the keeper
-# hands in a new one under this key, for images whose ``network`` says so.
-NEW_LOOPBACK, NETWORK_KEY = "new loopback", "tvcache-net"
+# A tree's network namespace that nothing in it can configure is not in its images (see ``criu``): the dump's
+# CRIU ran inside it (``OWN_LOOPBACK``), and the restore's runs in the keeper's new one, which the tree gets; images
+# from before were dumped with it as an external namespace (``NEW_LOOPBACK``), and the keeper hands its new one
+# in under ``NETWORK_KEY``.
+OWN_LOOPBACK, NEW_LOOPBACK, NETWORK_KEY = "new loopback, CRIU's own", "new loopback", "tvcache-net"
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -297,6 +299,8 @@ def serve(channel_fd: int) -> NoReturn:
             network = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             inherit = [*inherit, network]
             argv += ["--inherit-fd", f"fd[{network}]:{NETWORK_KEY}"]
+        elif spec.get("network") == OWN_LOOPBACK:
+            pass  # CRIU restores the tree into its own namespace: the keeper's new one
         else:  # CRIU restores the dumped namespace itself, from the host's
             linux.setns(host_network, linux.CLONE_NEWNET)
         os.close(host_network)

@@ -17,10 +17,13 @@ What crosses the boundary, and how:
 * nothing else: no other descriptor from outside is dumped or handed in (a tree holding one, such as a socket
   to the outside, fails to dump: the snapshot is declined). Network locking is skipped: the tree's network
   namespace has only its own loopback. When no process of the tree can configure that namespace (no
-  CAP_NET_ADMIN: a sandbox's tree), it is an external namespace to CRIU, not dumped at all: a restore puts the
-  tree in a new one with its loopback up, exactly what the zygote made (``_cannot_configure_network``), made
-  ahead by the restore's keeper, without CRIU's ip(8) and iptables runs (network ``"new loopback"``; images
-  of ``"loopback"``, from before, had CRIU make an empty one and join the keeper's).
+  CAP_NET_ADMIN: a sandbox's tree), it is not dumped at all: the dump's CRIU runs inside it (``nsenter``), so it
+  is CRIU's own namespace, and a restore's CRIU runs in a new one with its loopback up, exactly what the zygote
+  made (``_cannot_configure_network``), made ahead by the restore's keeper, which the tree gets (network
+  ``"new loopback, CRIU's own"``). Neither runs ip(8) or iptables, nor walks the conntrack tables, as CRIU
+  does for every namespace it dumps (about 10 ms each, whatever they hold: the walk covers the kernel's whole
+  hash, 262,144 buckets here). Images of ``"new loopback"``, from before, named the namespace external, and the
+  keeper hands its new one in under that name; those of ``"loopback"`` had CRIU make an empty one and join it.
 
 Speed: each restore's keeper is started ahead of it (``Keepers``, one kept idle per factory), and CRIU's probe
 of the kernel, which it keeps only on a tmpfs, is kept for this boot in a directory of root's and handed to
@@ -65,7 +68,7 @@ from pathlib import Path
 from ...errors import CriuError
 from ...private_storage import DIRECTORY_MODE, private_tree
 from ..ownership import owner_is_gone, process_tag
-from ._criu_keeper import NETWORK_KEY, NEW_LOOPBACK
+from ._criu_keeper import NETWORK_KEY, NEW_LOOPBACK, OWN_LOOPBACK
 from .zygote import Spawned
 from .zygote_process import send
 
@@ -210,8 +213,9 @@ class Criu:
                 argv += ["--external", tty]
             if tree_mountpoint is not None:
                 argv += ["--external", f"mnt[{tree_mountpoint}]:{TREE_KEY}"]
-            network = NEW_LOOPBACK if _cannot_configure_network(pid) else None
-            if network is not None:
+            network = OWN_LOOPBACK if _cannot_configure_network(pid) else None
+            if network is not None and not shutil.which("nsenter", path=CRIU_PATH):
+                network = NEW_LOOPBACK  # the namespace is named external instead: dumped as such, conntrack and all
                 argv += ["--external", f"net[{os.stat(f'/proc/{pid}/ns/net').st_ino}]:{NETWORK_KEY}"]
             # A tree in a root of its own has no other container's mount to leave out, and its host paths, bound
             # from an overlay root (a host that is a container itself), must not be.
@@ -220,6 +224,8 @@ class Criu:
             kept = kernel_data_path(self.version)
             if kept is not None and shutil.which("unshare", path=CRIU_PATH) and os.path.isfile(kept):
                 argv = [*_WITH_KERNEL_DATA, kept, *argv]
+            if network == OWN_LOOPBACK:
+                argv = ["nsenter", f"--net=/proc/{pid}/ns/net", "--", *argv]
             began = time.perf_counter()
             code, output = _run(argv, timeout)
             seconds = time.perf_counter() - began
