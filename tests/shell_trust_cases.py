@@ -98,13 +98,12 @@ def _background(outcomes: list[Outcome]) -> None:
 
 
 def _killed_job(outcomes: list[Outcome]) -> None:
-    """`kill %1` returns before its job dies: the notice lands in that call or the next, as in a plain bash, and
-    neither is cached as deterministic; no prompt of ours shows either way."""
-    noticed = [outcome for outcome in outcomes[1:] if "Terminated" in outcome.output]
-    assert len(noticed) == 1, [outcome.output for outcome in outcomes]
-    assert not outcomes[1].deterministic
-    assert not noticed[0].deterministic
-    assert outcomes[2].output.endswith("next\n")
+    """`kill %1` returns before its job dies: the notice lands in that call or a later one, as in a plain bash,
+    and none of the calls up to it is cached as deterministic; no prompt of ours shows either way."""
+    noticed = [index for index, outcome in enumerate(outcomes) if "Terminated" in outcome.output]
+    assert len(noticed) == 1 and noticed[0] >= 1, [outcome.output for outcome in outcomes]
+    assert not [outcome for outcome in outcomes[1 : noticed[0] + 1] if outcome.deterministic], outcomes
+    assert outcomes[-1].output.endswith("more\n")
     assert not [line for outcome in outcomes for line in outcome.output.splitlines() if line.startswith("> ")]
 
 
@@ -136,7 +135,18 @@ CASES = (
         _pipestatus_and_underscore,
     ),
     Case("prompt", ("PS1='(.venv) '\"$PS1\"", "echo p", 'echo "$PS1"'), _prompt),
-    Case("killed job", ("sleep 30 &", "kill %1", "echo next"), _killed_job),
+    Case(
+        "killed job",
+        # The job has become `sleep` before the kill (a SIGTERM that reaches bash's child before it execs is lost,
+        # in a plain bash too); the foreground `sleep` of the last call collects the job's end at the latest.
+        (
+            'sleep 30 & until [ "$(cat /proc/$!/comm)" = sleep ]; do :; done',
+            "kill %1",
+            "echo next",
+            "sleep 0.3; echo more",
+        ),
+        _killed_job,
+    ),
 )
 
 

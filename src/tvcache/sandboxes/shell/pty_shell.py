@@ -664,9 +664,11 @@ class PtyShell:
             last_job_after, held, ended = self.observer.jobs()
             jobs_after = self._jobs_after = (held, ended)
             # A job of the shell ended during the call (more ended, or fewer left), or one it started ended already,
-            # or one is ending (`kill %1` returns before its job dies: its notice may come now or with the next call).
+            # or one is ending (`kill %1` returns before its job dies: its notice may come now or with the next call),
+            # or a process that was there before the call is gone (bash may have reaped it, and not yet noted it).
             job_moved = jobs_after[1] != jobs[1] or jobs_after[0] < jobs[0] or self._job_ended(last_job, last_job_after)
-            moving = job_moved or self._wrote(processes, after) or any(map(_ending, after))
+            gone = not processes.keys() <= after.keys()
+            moving = job_moved or gone or self._wrote(processes, after) or any(map(_ending, after))
             return self._result(collected, state.status, background=background or moving)
         except ShellReplaced as replaced:
             yield math.inf
