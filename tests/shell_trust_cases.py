@@ -101,7 +101,8 @@ def _killed_job(outcomes: list[Outcome]) -> None:
     """`kill %1` returns before its job dies: the notice lands in that call or a later one, as in a plain bash,
     and none of the calls up to it is cached as deterministic; no prompt of ours shows either way."""
     noticed = [index for index, outcome in enumerate(outcomes) if "Terminated" in outcome.output]
-    assert len(noticed) == 1 and noticed[0] >= 1, [outcome.output for outcome in outcomes]
+    assert len(noticed) == 1, [outcome.output for outcome in outcomes]
+    assert noticed[0] >= 1, [outcome.output for outcome in outcomes]
     assert not [outcome for outcome in outcomes[1 : noticed[0] + 1] if outcome.deterministic], outcomes
     assert outcomes[-1].output.endswith("more\n")
     assert not [line for outcome in outcomes for line in outcome.output.splitlines() if line.startswith("> ")]

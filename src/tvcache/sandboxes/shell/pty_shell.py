@@ -544,6 +544,14 @@ class PtyShell:
                 return state
             self._read_some(min(0.0005, max(0.0, deadline - time.monotonic())))
 
+    def _handlers_done(self, deadline: float) -> bool:
+        """Whether bash waits for a line again (so a signal handler it ran meanwhile has returned) by ``deadline``."""
+        while self.observer.idle() is None:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0002)
+        return True
+
     def _drain(self, into: OutputCollector) -> None:
         into.add(self._buffer)
         self._buffer.clear()
@@ -661,14 +669,15 @@ class PtyShell:
             self._idle = state
             self.lineno, self.status, self.last_command = state.lineno, state.status, command
             after = self._others_after = self._others()
+            # A process that was there before the call is gone: bash's SIGCHLD handler may have reaped it and not
+            # yet noted it in its job table; once bash waits for a line again, it has.
+            settled = processes.keys() <= after.keys() or self._handlers_done(time.monotonic() + GRACE_SECONDS)
             last_job_after, held, ended = self.observer.jobs()
             jobs_after = self._jobs_after = (held, ended)
             # A job of the shell ended during the call (more ended, or fewer left), or one it started ended already,
-            # or one is ending (`kill %1` returns before its job dies: its notice may come now or with the next call),
-            # or a process that was there before the call is gone (bash may have reaped it, and not yet noted it).
+            # or one is ending (`kill %1` returns before its job dies: its notice may come now or with the next call).
             job_moved = jobs_after[1] != jobs[1] or jobs_after[0] < jobs[0] or self._job_ended(last_job, last_job_after)
-            gone = not processes.keys() <= after.keys()
-            moving = job_moved or gone or self._wrote(processes, after) or any(map(_ending, after))
+            moving = not settled or job_moved or self._wrote(processes, after) or any(map(_ending, after))
             return self._result(collected, state.status, background=background or moving)
         except ShellReplaced as replaced:
             yield math.inf
