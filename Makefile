@@ -22,13 +22,18 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy
 
+# Python caches bytecode for every process of the suite (its pytest workers, and the CLIs, servers and Ray workers
+# the tests start), as it does by default: an environment that sets PYTHONDONTWRITEBYTECODE makes each of them
+# compile the sources again, and pytest rewrite the assertions of its plugins (~6 s a process).
+unexport PYTHONDONTWRITEBYTECODE
+
 # The default suite in four worker processes (pytest-xdist; each with its own sandboxes and temporary
 # directories): most tests wait on shells, servers and subprocesses, so four beat two even on 2 cores. Then,
 # one at a time, the tests that race a process on purpose or whose reference answers by timing (marked serial).
 # PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 4
 test: lint
-	$(PY) -m pytest -q -m 'not slow and not serial' -n $(PYTEST_WORKERS)
+	$(PY) -m pytest -q -m 'not slow and not serial' -n $(PYTEST_WORKERS) --dist loadgroup
 	$(PY) -m pytest -q -m 'serial and not slow'
 
 # CRIU >= 4.2 for the persistent shell's process snapshots (tests/test_criu.py skips, saying so, without it): a

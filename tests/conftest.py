@@ -44,3 +44,32 @@ def service() -> Iterator["CacheService"]:
     service = CacheService()
     yield service
     service.close()
+
+
+# Modules whose module-scoped fixtures start something costly (a Ray cluster, a browser, npm MCP servers, a
+# served cache): `make test` (pytest-xdist, --dist loadgroup) runs each on one worker, so that its fixture starts
+# once rather than on every worker that is handed one of its tests. The store contract's Ray cases likewise.
+ONE_WORKER_MODULES = frozenset(
+    {
+        "test_ray",
+        "test_ray_shell",
+        "test_ray_dashboard",
+        "test_dashboard_browser",
+        "test_mcp_eval",
+        "test_mcp_sandboxed_upstreams",
+        "test_relevance",
+        "test_snapshot_stores",
+        "test_server_hot_path",
+    }
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.stem
+        callspec = getattr(item, "callspec", None)
+        if module == "test_store_contract" and callspec is not None and callspec.params.get("harness") == "ray":
+            item.add_marker(pytest.mark.xdist_group("ray-store-contract"))
+        elif module in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module))
