@@ -311,7 +311,8 @@ LIVE_PROCESSES = [
     "python3 {base}/counter.py 8000 2>&1 | tail -1; echo started ${{PIPESTATUS[0]}}",
     "python3 {base}/get.py /a 2>&1 | tail -1",
     "python3 {base}/get.py /b 2>&1 | tail -1",
-    "pkill -f counter.py; echo stopped $?",
+    # Until the server has ended, the shell's state moves by itself (the call would not be deterministic).
+    "pkill -f counter.py; s=$?; while pkill -0 -f counter.py; do :; done; echo stopped $s",
     # `exec`: the coprocess's subshell becomes the REPL instead of forking it after the call returned. Such a late
     # fork races with the next call's own forks for the next PID, in an uncached shell as much as in a fork
     # (``jobs -l`` then shows the REPL one PID apart from one run to the next), so no PID would be exact.
