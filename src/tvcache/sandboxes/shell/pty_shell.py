@@ -1060,8 +1060,8 @@ _PF_EXITING = 0x4  # linux/sched.h: the task is in do_exit
 def _ending(pid: int) -> bool:
     """Whether the process is ending or has ended (a zombie its parent has not reaped, exiting, or with a signal
     pending, as a fatal one is from the moment it is sent until the process exits): its end, and what it brings (a
-    job notice, a port or a file let go), come at a moment the call does not control. ``/proc/PID/stat``'s 31st field is the thread's
-    private pending set, where the kernel puts the SIGKILL that a fatal signal becomes."""
+    job notice, a port or a file let go), come at a moment the call does not control. ``/proc/PID/stat``'s 31st
+    field is the thread's private pending set, where the kernel puts the SIGKILL that a fatal signal becomes."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             fields = handle.read().rpartition(b")")[2].split()
