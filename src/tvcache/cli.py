@@ -9,77 +9,8 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
+from .bench.commands import add_bench_parser
 from .defaults import CLAIM_TTL, LEASE_TTL, MAX_BODY_BYTES, SNAPSHOT_BYTES, SNAPSHOTS_PER_TASK, TOKEN_ENV, env_token
-
-
-def _bench(args: argparse.Namespace) -> int:
-    if args.name == "lookup":
-        from .bench import lookup
-
-        lookup.run(nodes=args.nodes, repeats=args.repeats, seed=args.seed, json_path=args.json)
-        return 0
-    if args.name == "server":
-        try:
-            from .bench import server
-        except ImportError as error:
-            print(f"tvcache bench server: {error}", file=sys.stderr)
-            return 2
-        rates = [int(rate) for rate in args.rates.split(",")]
-        return server.run(
-            rates=rates, duration=args.duration, keys=args.keys, shards=args.shards, json_path=args.json,
-            baseline=args.baseline,
-        )  # fmt: skip
-    if args.name == "ray":
-        import os
-
-        # The benchmark starts its own one-machine Ray cluster: keep it on loopback (Ray reads this on import).
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        try:
-            from .integrations.ray import bench as ray_bench
-        except ImportError as error:
-            print(f"tvcache bench ray: {error}", file=sys.stderr)
-            return 2
-        rates = [int(rate) for rate in args.rates.split(",")]
-        return ray_bench.run(
-            rates=rates, duration=args.duration, keys=args.keys, shards=args.shards, json_path=args.json
-        )
-    if args.name == "fork":
-        from .bench import fork
-
-        if args.docker:
-            fork.run_docker(image=args.docker_image, repeats=args.fork_repeats, json_path=args.json)
-            return 0
-        sizes = tuple(int(size) for size in args.sizes.split(","))
-        fork.run(sizes_mb=sizes, repeats=args.fork_repeats, json_path=args.json)
-        return 0
-    if args.name == "shell":
-        from .bench import shell
-
-        gaps = tuple(float(gap) for gap in args.gaps.split(","))
-        shell.run(repeats=args.calls or 200, gaps_ms=gaps, json_path=args.json)
-        return 0
-    if args.name == "reopen":
-        from .bench import reopen
-
-        return reopen.run(calls=args.calls or 1_000_000, tasks=args.tasks, tail=args.tail, json_path=args.json)
-    if args.name == "published":
-        from .bench import published
-
-        profiles = tuple(_layer_profile(text) for text in args.layers.split(","))
-        published.run(profiles=profiles, repeats=args.publish_repeats, json_path=args.json)
-        return 0
-    raise AssertionError(args.name)
-
-
-def _layer_profile(text: str) -> tuple[int, int]:
-    """``FILESxMIB`` (e.g. ``1000x1``): what one rollout step writes into the layer."""
-    files, _, mib = text.partition("x")
-    try:
-        return int(files), int(mib or 0)
-    except ValueError:
-        raise SystemExit(
-            f"tvcache bench published: --layers takes FILESxMIB items such as 1000x1, got {text!r}"
-        ) from None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -287,49 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(handler=_serve)
 
-    bench = commands.add_parser(
-        "bench", help="run a benchmark", description="Benchmarks print ratios measured in one run."
-    )
-    bench.add_argument(
-        "name",
-        choices=["lookup", "server", "fork", "shell", "published", "ray", "reopen"],
-        help="lookup: prefix-match latency and bytes per node; server: open-loop HTTP load on `tvcache serve`; "
-        "fork: overlay fork and snapshot latency next to copying the tree (root); shell: per-command latency of "
-        "confined shell sandboxes next to folder sandboxes, and where the time goes (root; --calls, --gaps); "
-        "published: forking a shell snapshot another process published through a shared store, next to "
-        "rebuilding it by replay (root, GNU tar; --layers, --publish-repeats); "
-        "ray: Ray shard actors vs HTTP shards under the same lookup load (--rates, --duration, --keys, --shards); "
-        "reopen: Cache(dir) and its first lookup on a large journal, from its checkpoint next to the journal alone "
-        "(--calls, --tasks, --tail)",
-    )
-    bench.add_argument("--nodes", type=int, default=100_000, help="graph size for lookup (default 100000)")
-    bench.add_argument("--repeats", type=int, default=2000, help="lookups timed per depth (default 2000)")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON to PATH")
-    bench.add_argument("--rates", default="128,256,512,1024,2048,4096,8192", help="server: request rates (req/s)")
-    bench.add_argument("--duration", type=float, default=3.0, help="server: seconds of load per rate (default 3)")
-    bench.add_argument("--keys", type=int, default=8192, help="server: keys populated before the load (8192)")
-    bench.add_argument("--shards", type=int, default=1, help="server: shard processes behind the load (default 1)")
-    bench.add_argument("--baseline", metavar="SRC", default=None, help="server: also load another checkout's server, "
-                       "run from its src directory with this venv, rate by rate beside ours")  # fmt: skip
-    bench.add_argument("--sizes", default="10,1024", help="fork: base tree sizes in MB (default 10,1024)")
-    bench.add_argument("--fork-repeats", type=int, default=200, help="fork: overlay forks timed per size (200)")
-    bench.add_argument(
-        "--docker", action="store_true", help="fork: image-overlay fork vs docker commit+run, checkpoint restore"
-    )
-    bench.add_argument("--docker-image", default="tvcache-base:bookworm", help="fork --docker: the image (local)")
-    bench.add_argument(
-        "--calls", type=int, default=None, help="shell: calls timed per command and backend (200); reopen: recorded "
-        "calls in the journal (1000000)"
-    )  # fmt: skip
-    bench.add_argument("--tasks", type=int, default=64, help="reopen: tasks the calls are spread over (64)")
-    bench.add_argument("--tail", type=int, default=None, help="reopen: calls after the checkpoint (1%% of --calls)")
-    bench.add_argument("--gaps", default="0,20", help="shell: think times between calls in ms (default 0,20)")
-    bench.add_argument(
-        "--layers", default="10x0,1000x1,2000x32", help="published: FILESxMIB written per layer (10x0,1000x1,2000x32)"
-    )
-    bench.add_argument("--publish-repeats", type=int, default=5, help="published: runs per layer, median (5)")
-    bench.set_defaults(handler=_bench)
+    add_bench_parser(commands)
 
     replay = commands.add_parser(
         "replay",
