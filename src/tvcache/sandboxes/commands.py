@@ -29,6 +29,7 @@ __all__ = [
     "FIXED_PATH",
     "PERSISTENT_SH_TOOL",
     "SH_TOOL",
+    "OutputCollector",
     "OutputReader",
     "ShellResult",
     "command_timeout",
@@ -102,31 +103,46 @@ def wait_unreaped(process: subprocess.Popen[bytes], timeout: float) -> bool:
         os.close(pidfd)
 
 
+class OutputCollector:
+    """The first ``limit`` bytes of a command's output, and a count of all of them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept = bytearray()
+        self.total = 0
+
+    def absorb(self, step: OutputCollector, kept: bytes) -> None:
+        """Add ``kept``, what remains of ``step``'s bytes, counting what ``step`` saw beyond its own limit."""
+        self.add(kept)
+        self.total += step.total - len(step.kept)
+
+    def add(self, data: bytes | bytearray) -> None:
+        room = self.limit - len(self.kept)
+        if room > 0:
+            self.kept += data[:room]
+        self.total += len(data)
+
+
 class OutputReader(threading.Thread):
-    """Drains a pipe to EOF, keeping the first ``limit`` bytes and counting the rest."""
+    """Drains a pipe to EOF into an ``OutputCollector``: the first ``limit`` bytes kept, the rest counted."""
 
     def __init__(self, fd: int, limit: int) -> None:
         super().__init__(daemon=True)
         self._fd = fd
-        self._limit = limit
         self._lock = threading.Lock()
-        self._kept = bytearray()
-        self.total = 0
+        self._collected = OutputCollector(limit)
 
     def run(self) -> None:
         try:
             while chunk := os.read(self._fd, _CHUNK):
                 with self._lock:
-                    room = self._limit - len(self._kept)
-                    if room > 0:
-                        self._kept += chunk[:room]
-                    self.total += len(chunk)
+                    self._collected.add(chunk)
         finally:
             os.close(self._fd)
 
     def result(self) -> tuple[bytes, int]:
         with self._lock:
-            return bytes(self._kept), self.total
+            return bytes(self._collected.kept), self._collected.total
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

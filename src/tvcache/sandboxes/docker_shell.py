@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import functools
 import json
 import os
 import secrets
 import select
 import signal
-import struct
 import subprocess
 import termios
 import time
@@ -49,7 +47,7 @@ from typing import TYPE_CHECKING
 from ..calls import ToolCall
 from ..errors import SandboxError, SnapshotDeclined
 from ..protocol import Outcome, Snapshot
-from .commands import render_shell
+from .commands import OutputCollector, render_shell
 from .docker_container import ContainerHost, ContainerSandbox
 from .docker_engine import PERSISTENT_KIND, no_bash, run_cli_async
 from .shell.cgroups import MEMORY
@@ -60,11 +58,10 @@ from .shell.pty_shell import (
     GRACE_SECONDS,
     PROTOCOL,
     READY,
-    WINDOW,
-    OutputCollector,
     PtyResult,
     PtyShell,
     ShellGone,
+    Terminal,
     boot_escapes,
 )
 from .shell.session import NEW_SHELL_NOTE, PersistentShellCalls, persistent_command
@@ -105,19 +102,18 @@ class DockerShell(PtyShell):
         self._terminal = -1  # the container's side of the terminal, opened through /proc
         self._pidfd = -1
         self.pid = 0
-        master, slave = os.openpty()
-        self._master = master
+        terminal = Terminal.open()  # the CLI's; docker passes its window size on to the container's
+        self._master = terminal.master
         try:
-            tty.setraw(slave)
-            fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", *WINDOW, 0, 0))  # docker passes it on
             # A session of its own: the CLI's terminal signals never reach this process, nor ours the CLI.
+            slave = terminal.slave
             self._cli = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
         except BaseException:
-            os.close(slave)
-            os.close(master)
+            os.close(terminal.slave)
+            os.close(terminal.master)
             self._closed = True
             raise
-        os.close(slave)
+        os.close(terminal.slave)
         try:
             self._start(restored)
         except BaseException:

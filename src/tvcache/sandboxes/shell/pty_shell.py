@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import SandboxError
-from ..commands import ShellResult
+from ..commands import OutputCollector, ShellResult
 from ..threads import Steps, blocking, drive
 from .bash_observer import BashObserver, Idle, ShellGone, ShellReplaced, UnknownBash
 from .capture import CAPTURE_PROTOCOL, CaptureRefused, prepare_capture, take_capture
@@ -193,26 +193,6 @@ class PtyResult:
             escaped=False,
             limit=limit,
         )
-
-
-class OutputCollector:
-    """The first ``limit`` bytes of a command's output, and a count of all of them."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.kept = bytearray()
-        self.total = 0
-
-    def absorb(self, step: OutputCollector, kept: bytes) -> None:
-        """Add ``kept``, what remains of ``step``'s bytes, counting what ``step`` saw beyond its own limit."""
-        self.add(kept)
-        self.total += step.total - len(step.kept)
-
-    def add(self, data: bytes | bytearray) -> None:
-        room = self.limit - len(self.kept)
-        if room > 0:
-            self.kept += data[:room]
-        self.total += len(data)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
