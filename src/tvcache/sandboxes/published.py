@@ -72,7 +72,7 @@ class PublishedSnapshots:
         self.kind = factory.kind
         self.store = store
         self.cache = cache or NodeCache()
-        self.node_id = node_id or default_node_id()
+        self.node_id = node_id or self.default_node_id()
         self.cost_hints: Mapping[str, float] = cost_hints(factory)
         self.published = 0
         self.swept = 0
@@ -83,6 +83,12 @@ class PublishedSnapshots:
         if isinstance(factory, ShellSandboxFactory):
             require_gnu_tar()  # now rather than at the first snapshot
             self._layers = _LayerPublisher(factory, store, LayerCache(factory.store, max_bytes=max_layer_bytes))
+
+    @staticmethod
+    def default_node_id() -> str:
+        """This node's identity when no ``node_id`` is given: the host name. A subclass names its own (Ray's
+        node id), so it need not restate the constructor."""
+        return default_node_id()
 
     @property
     def tools(self) -> Mapping[str, ToolSpec]:
