@@ -6,7 +6,6 @@ response models; ``ShellDeployment`` runs it uncached. How each request maps ont
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -14,14 +13,15 @@ from typing import Any
 from ..calls import ToolCall
 from ..errors import InvalidToolCall, TVCacheError
 from ..sandboxes.shell.sandbox import ShellSandboxFactory
-from ._swerex_shell_sandbox import PS1, SweRexShellFactory, SweRexShellSandbox, answer, keep_upload
+from ._swerex_rollout import RolloutRuntime
+from ._swerex_shell_sandbox import PS1, SweRexShellFactory, SweRexShellSandbox, answer
 from .cache_location import CacheLike
 from .optional_imports import require
 
 __all__ = ["ShellDeployment", "ShellRuntime"]
 
 
-class ShellRuntime:
+class ShellRuntime(RolloutRuntime):
     """A SWE-ReX runtime whose bash session is a tvcache persistent shell; requests go through ``cache`` (a
     session of ``task_id``) or, without one, straight to one sandbox started on the first request."""
 
@@ -45,10 +45,6 @@ class ShellRuntime:
         self.closed = False
 
     # ------------------------------------------------------- runtime API
-
-    async def is_alive(self, *, timeout: float | None = None) -> Any:
-        message = "the runtime was closed" if self.closed else ""
-        return self._abstract.IsAliveResponse(is_alive=not self.closed, message=message)
 
     async def create_session(self, request: Any) -> Any:
         self._expect(request, self._abstract.CreateBashSessionRequest)
@@ -99,23 +95,16 @@ class ShellRuntime:
     async def upload(self, request: Any) -> Any:
         """Keyed by the content of what is uploaded (a file or a tree), never by the local path."""
         self._expect(request, self._abstract.UploadRequest)
-        arguments = {**keep_upload(Path(request.source_path), self._uploads), "target_path": request.target_path}
-        return await self._call("upload", arguments)
-
-    async def close(self) -> Any:
-        """End the rollout: stop the sandbox if one was started. Idempotent."""
-        if not self.closed:
-            self.closed = True
-            try:
-                if self.session is not None:
-                    await self.session.close()
-                elif self.sandbox is not None:
-                    await self.sandbox.stop()
-            finally:
-                shutil.rmtree(self._uploads, ignore_errors=True)
-        return self._abstract.CloseResponse()
+        return await self._call("upload", self._upload_arguments(request))
 
     # ---------------------------------------------------------- internals
+
+    async def _stop(self) -> None:
+        """Close the session, or stop the uncached runtime's sandbox if one was started."""
+        if self.session is not None:
+            await self.session.close()
+        elif self.sandbox is not None:
+            await self.sandbox.stop()
 
     def _expect(self, request: Any, expected: type) -> None:
         if type(request) is not expected:  # a subclass or another model may carry fields this runtime ignores

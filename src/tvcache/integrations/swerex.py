@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -58,8 +57,9 @@ from ..protocol import Outcome
 from ..sandboxes.shell.sandbox import ShellSandboxFactory
 from ._harness import PASS_THROUGH_TOOLS, HarnessSandbox, PassThroughs, shared_cache
 from ._recorded_errors import UnrecordedErrors
+from ._swerex_rollout import RolloutRuntime
 from ._swerex_shell_runtime import ShellDeployment, ShellRuntime
-from ._swerex_shell_sandbox import keep_upload, rebuilt_response, response_payload, shell_tool_specs
+from ._swerex_shell_sandbox import rebuilt_response, response_payload, shell_tool_specs
 from .cache_location import CacheLocation
 from .external_sandboxes import ExternalSandboxFactory
 from .optional_imports import require
@@ -78,7 +78,7 @@ def tool_specs(deterministic: bool | None = None) -> dict[str, ToolSpec]:
     return {**specs, **PASS_THROUGH_TOOLS}
 
 
-class CachingRuntime:
+class CachingRuntime(RolloutRuntime):
     """A SWE-ReX runtime over one tvcache session (one rollout of one task). See the module docstring."""
 
     def __init__(
@@ -103,10 +103,6 @@ class CachingRuntime:
         self.closed = False
 
     # ------------------------------------------------------- runtime API
-
-    async def is_alive(self, *, timeout: float | None = None) -> Any:
-        message = "" if not self.closed else "the runtime was closed"
-        return self._abstract.IsAliveResponse(is_alive=not self.closed, message=message)
 
     async def create_session(self, request: Any) -> Any:
         return await self._request("create_session", request, self._abstract.CreateBashSessionRequest)
@@ -137,20 +133,13 @@ class CachingRuntime:
         if type(request) is not self._abstract.UploadRequest:
             why = f"{type(request).__name__} is not the UploadRequest this adapter keys"
             return await self._pass(type(request).__name__, why, lambda real: real.upload(request))
-        arguments = {**keep_upload(Path(request.source_path), self._uploads), "target_path": request.target_path}
-        return await self._call("upload", arguments)
-
-    async def close(self) -> Any:
-        """End the rollout: stop the real deployment if one was started. Idempotent."""
-        if not self.closed:
-            self.closed = True
-            try:
-                await self.session.close()
-            finally:
-                shutil.rmtree(self._uploads, ignore_errors=True)
-        return self._abstract.CloseResponse()
+        return await self._call("upload", self._upload_arguments(request))
 
     # ---------------------------------------------------------- internals
+
+    async def _stop(self) -> None:
+        """Close the session, which stops the real deployment if one was started."""
+        await self.session.close()
 
     async def _request(self, tool: str, request: Any, expected: Any) -> Any:
         if type(request) is not expected:  # a subclass or another model may carry fields we cannot key

@@ -72,7 +72,7 @@ class PublishedSnapshots:
         self.kind = factory.kind
         self.store = store
         self.cache = cache or NodeCache()
-        self.node_id = node_id or default_node_id()
+        self.node_id = node_id or self.default_node_id()
         self.cost_hints: Mapping[str, float] = cost_hints(factory)
         self.published = 0
         self.swept = 0
@@ -83,6 +83,12 @@ class PublishedSnapshots:
         if isinstance(factory, ShellSandboxFactory):
             require_gnu_tar()  # now rather than at the first snapshot
             self._layers = _LayerPublisher(factory, store, LayerCache(factory.store, max_bytes=max_layer_bytes))
+
+    @staticmethod
+    def default_node_id() -> str:
+        """This node's identity when no ``node_id`` is given: the host name. A subclass names its own (Ray's
+        node id), so it need not restate the constructor."""
+        return default_node_id()
 
     @property
     def tools(self) -> Mapping[str, ToolSpec]:
@@ -161,19 +167,8 @@ class PublishedSnapshots:
         """The cache evicted the snapshot (never while leased): drop this publication's references in the store
         and this node's copy if no fork is reading it (a shell stack's layers stay with their other users). A
         record naming another store releases nothing (see ``_same_store``); a malformed one touches nothing."""
-        try:
-            publication = Publication.of(snapshot)
-        except SandboxError as error:
-            warnings.warn(f"not releasing an evicted snapshot: {error}", RuntimeWarning, stacklevel=2)
-            return
-        if publication is None:
-            self.inner.discard(snapshot)
-            return
-        if self._same_store(publication):
-            for digest in publication.blobs():
-                self.store.release(digest, publication.publication)
-        if publication.format != LAYERS:
-            self.cache.drop(publication.digest)
+        publication = self._release(snapshot, made_here=True)
+        if publication is None or publication.format != LAYERS:
             return
         with self._lock:
             made = self._made.pop(publication.publication, None)
@@ -187,22 +182,34 @@ class PublishedSnapshots:
         client may have written it, so nothing it names as a path is touched. Release its references in this
         factory's own store and drop this node's cached copy of its data, both found by the publication's
         checked addresses; the maker's files (its layers, its snapshot path) stay with it (see ``sweep``)."""
+        self._release(snapshot, made_here=False)
+
+    def _release(self, snapshot: Snapshot, *, made_here: bool) -> Publication | None:
+        """What ``discard`` and ``discard_foreign`` both do with an evicted record: read its publication (a
+        malformed one: warn and touch nothing), release its references in this store and drop this node's copy
+        of file or tree data. An unwrapped record goes to the inner factory only if ``made_here`` (a foreign one's
+        paths are not ours). Returns the publication, or None when nothing is left to do."""
         try:
             publication = Publication.of(snapshot)
         except SandboxError as error:
-            warnings.warn(f"not releasing an evicted snapshot: {error}", RuntimeWarning, stacklevel=2)
-            return
+            # stacklevel 3: the warning names whoever evicted, as when discard itself warned.
+            warnings.warn(f"not releasing an evicted snapshot: {error}", RuntimeWarning, stacklevel=3)
+            return None
         if publication is None:
-            return
-        if self._same_store(publication):
+            if made_here:
+                self.inner.discard(snapshot)
+            return None
+        if self._same_store(publication, stacklevel=4):
             for digest in publication.blobs():
                 self.store.release(digest, publication.publication)
         if publication.format != LAYERS:
             self.cache.drop(publication.digest)
+        return publication
 
-    def _same_store(self, publication: Publication) -> bool:
+    def _same_store(self, publication: Publication, *, stacklevel: int = 3) -> bool:
         """Whether the record was published to this factory's store; if not, warn (once per factory): its
-        references cannot be released here, and its data is fetched from this store, which may lack it."""
+        references cannot be released here, and its data is fetched from this store, which may lack it.
+        ``stacklevel`` names the frame the warning points at (by default the caller's caller)."""
         if publication.store == self.store.name:
             return True
         with self._lock:
@@ -214,7 +221,7 @@ class PublishedSnapshots:
                 "named by the same path everywhere. Records of the other store are not released here (their blobs "
                 "stay there) and forks fetch from this one (a missing blob: the state is rebuilt by replay)",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
         return False
 

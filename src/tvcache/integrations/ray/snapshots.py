@@ -22,7 +22,6 @@ import ray
 from ray.exceptions import RayError
 
 from ...errors import SandboxError
-from ...protocol import SandboxFactory
 from ...sandboxes import published
 from ...snapshots import (
     PUBLISHED,
@@ -61,18 +60,9 @@ class PublishedSnapshots(published.PublishedSnapshots):
     rollout worker of the cluster uses it: ``PublishedSnapshots(SQLiteSandbox.factory("app.db"), RayObjectStore())``
     as the sandbox factory of ``RayCache().session(...)``."""
 
-    def __init__(
-        self,
-        factory: SandboxFactory,
-        store: BlobStore,
-        *,
-        cache: NodeCache | None = None,
-        node_id: str | None = None,
-        max_layer_bytes: int = 1024**3,
-    ) -> None:
-        super().__init__(
-            factory, store, cache=cache, node_id=node_id or current_node_id(), max_layer_bytes=max_layer_bytes
-        )
+    @staticmethod
+    def default_node_id() -> str:
+        return current_node_id()
 
 
 class BlobActor:
