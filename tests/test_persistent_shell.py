@@ -514,6 +514,26 @@ def test_processes_that_move_the_state_on_by_themselves_still_fork(tmp_path: Pat
     factory.close()
 
 
+def test_a_capture_amid_a_storm_of_child_signals_is_taken_and_the_shell_goes_on(tmp_path: Path) -> None:
+    """Orphans reparented to bash (PID 1 of its namespace) end all the time, so SIGCHLD keeps arriving: a capture
+    signal taken while bash's SIGCHLD handler runs is left pending by the read that handler restarts. The capture
+    sends it again instead of waiting out its time limit and ending the shell."""
+    factory = factory_for(tmp_path)
+
+    async def main() -> tuple[str, bool]:
+        sandbox = await factory.start()
+        try:
+            await sandbox.execute(sh("X=kept; (while :; do (/bin/true &); done) >/dev/null 2>&1 &"))
+            for _ in range(20):
+                await sandbox.state_digest()
+            return (await sandbox.execute(sh('echo "$X"'))).output, sandbox.trusted
+        finally:
+            await sandbox.stop()
+
+    assert asyncio.run(main()) == ("kept\n", True)
+    factory.close()
+
+
 def test_without_criu_live_processes_decline_the_snapshot(tmp_path: Path) -> None:
     factory = factory_for(tmp_path)
     factory.snapshot_routes = (ShellStateRoute(), CriuRoute(find=lambda: None))

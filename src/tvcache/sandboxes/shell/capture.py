@@ -757,8 +757,9 @@ def take_capture(shell: CapturedShell, *, checked: bool = True) -> bytes:
     deadline = time.monotonic() + CAPTURE_SECONDS
     if not spawned.send_signal(CAPTURE_SIGNAL_NUMBER):
         raise CaptureRefused("the shell is gone")
+    nudges: list[int] = []
     try:
-        body = _read_capture(shell, memory, start, deadline)
+        body = _read_capture(shell, memory, start, deadline, nudges)
     except ShellGone:
         shell.close()
         raise CaptureRefused("the shell ended during the state capture") from None
@@ -768,17 +769,20 @@ def take_capture(shell: CapturedShell, *, checked: bool = True) -> bytes:
         raise CaptureRefused("the shell did not finish the state capture in time; it was ended")
     token, data = body
     _wait_trap_end(shell, deadline)
+    if nudges:
+        _drop_repeated_capture(shell, memory, start, deadline)
     if data is None:
         raise CaptureRefused(f"the shell's state is over {MAX_STATE_BYTES >> 20} MiB")
     return encode_state({**parse_capture(token, data), **outside})
 
 
 def _read_capture(
-    shell: CapturedShell, memory: BashMemory, start: int, deadline: float
+    shell: CapturedShell, memory: BashMemory, start: int, deadline: float, nudges: list[int]
 ) -> tuple[bytes, bytes | None] | None:
     """The token and the body of the capture the trap prints, cut out of the shell's buffer (what came before it
     stays there; the body None when it was over MAX_STATE_BYTES); None at the deadline; CaptureRefused when the
-    trap ran but printed no whole capture."""
+    trap ran but printed no whole capture. A signal bash took but left for later (``_lost_wakeup``) is sent
+    again, and counted in ``nudges``."""
     token = b""
     end = b""
     begin = body_start = searched = 0
@@ -812,6 +816,9 @@ def _read_capture(
             return None
         size = len(buffer)
         shell._read_some(0.0002)
+        if not token and len(buffer) == size and _lost_wakeup(shell, memory):
+            nudges.append(1)
+            shell.spawned.send_signal(CAPTURE_SIGNAL_NUMBER)  # type: ignore[union-attr]
         if len(buffer) == size and _trap_done(shell, memory):
             while True:  # the last bytes it wrote
                 size = len(buffer)
@@ -819,6 +826,40 @@ def _read_capture(
                 if len(buffer) == size:
                     break
             finished = True
+
+
+def _lost_wakeup(shell: CapturedShell, memory: BashMemory) -> bool:
+    """bash took the signal (its handler marked the trap pending) but waits for a line without running the trap,
+    twice in a row 2 ms apart: the signal came while a SIGCHLD handler ran, and that handler's SA_RESTART
+    restarted the read, so bash looks at its pending traps only when the next input or an interrupting signal
+    comes. Sending the signal again interrupts the read (the trap's handler has no SA_RESTART)."""
+    for look in range(2):
+        if look:
+            time.sleep(0.002)
+        try:
+            if kernel_pending(shell.pid, CAPTURE_SIGNAL_NUMBER) or shell.observer.idle() is None:
+                return False
+            if not memory.integer(memory.symbol("pending_traps") + 4 * CAPTURE_SIGNAL_NUMBER):
+                return False
+        except Exception:
+            return False
+    return True
+
+
+def _drop_repeated_capture(shell: CapturedShell, memory: BashMemory, start: int, deadline: float) -> None:
+    """After a signal sent again: if bash woke on its own meanwhile, the trap runs a second time; that capture is
+    ours too, never the next command's, and is dropped once bash waits with no trap pending."""
+    buffer = shell._buffer
+    while time.monotonic() < deadline:
+        found = begin_token(buffer[start:])
+        if found is not None:
+            end = buffer.find(end_marker(found[2]), start + found[1])
+            if end >= 0:
+                del buffer[start + found[0] : end + len(end_marker(found[2]))]
+                continue
+        elif _trap_done(shell, memory):
+            return
+        shell._read_some(0.0002)
 
 
 def _wait_trap_end(shell: CapturedShell, deadline: float) -> None:
