@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from typing import NoReturn
 
 SPARES = 2  # confined children kept ready; more concurrent commands fork theirs on demand
+BUSY_RETRY_SECONDS = 0.05  # how soon an idle zygote tries again to remove a cgroup the kernel still held
 MAX_REQUEST = 1 << 20  # argv strings are limited to 128 KiB each by the kernel; a packet to ~208 KiB by default
 MAX_REPLY = 1 << 16
 EXIT_FAILED = 127
@@ -512,12 +513,17 @@ class Server:
     def loop(self) -> None:
         while True:
             idle = self.wants_spare() or (self.unremoved and (not self.running or len(self.unremoved) > SPARES))
-            timeout = self.limits.timeout(0 if idle else None)
+            # A cgroup still busy (its dead tasks not yet released: slow under load) is tried again soon, not
+            # only when the next command ends.
+            wanted = 0 if idle else (BUSY_RETRY_SECONDS if self.busy and not self.running else None)
+            timeout = self.limits.timeout(wanted)
             events = self.poller.poll(None if timeout is None else timeout * 1000)
             self.limits.check()
             if not events:  # nothing to answer: get a spare ready for a next command, remove old cgroups
                 if self.unremoved:
                     self.remove_cgroups()
+                elif self.busy and not self.running and not self.wants_spare():
+                    self.busy = [group for group in self.busy if not group.remove(timeout=0)]
                 elif self.wants_spare():
                     try:
                         self.spares.append(self.fork())
