@@ -839,7 +839,7 @@ def _lost_wakeup(shell: CapturedShell, memory: BashMemory) -> bool:
         try:
             if kernel_pending(shell.pid, CAPTURE_SIGNAL_NUMBER) or shell.observer.idle() is None:
                 return False
-            if not memory.integer(memory.symbol("pending_traps") + 4 * CAPTURE_SIGNAL_NUMBER):
+            if not _trap_pending(memory):
                 return False
         except Exception:
             return False
@@ -862,6 +862,11 @@ def _drop_repeated_capture(shell: CapturedShell, memory: BashMemory, start: int,
         shell._read_some(0.0002)
 
 
+def _trap_pending(memory: BashMemory) -> bool:
+    """bash's handler took the capture signal and its trap has not run yet (``pending_traps`` in its memory)."""
+    return bool(memory.integer(memory.symbol("pending_traps") + 4 * CAPTURE_SIGNAL_NUMBER))
+
+
 def _wait_trap_end(shell: CapturedShell, deadline: float) -> None:
     """Until bash waits at its prompt again: the trap's last line (its tail) runs after the end marker."""
     while time.monotonic() < deadline:
@@ -875,7 +880,7 @@ def _trap_done(shell: CapturedShell, memory: BashMemory) -> bool:
     """The signal reached bash, bash ran its trap, and waits at its prompt again."""
     if kernel_pending(shell.pid, CAPTURE_SIGNAL_NUMBER):
         return False
-    if memory.integer(memory.symbol("pending_traps") + 4 * CAPTURE_SIGNAL_NUMBER):
+    if _trap_pending(memory):
         return False
     try:
         return shell.observer.idle() is not None

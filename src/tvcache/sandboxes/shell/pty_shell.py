@@ -524,14 +524,6 @@ class PtyShell:
                 return state
             self._read_some(min(0.0005, max(0.0, deadline - time.monotonic())))
 
-    def _handlers_done(self, deadline: float) -> bool:
-        """Whether bash waits for a line again (so a signal handler it ran meanwhile has returned) by ``deadline``."""
-        while self.observer.idle() is None:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.0002)
-        return True
-
     def _drain(self, into: OutputCollector) -> None:
         into.add(self._buffer)
         self._buffer.clear()
@@ -651,7 +643,7 @@ class PtyShell:
             after = self._others_after = self._others()
             # A process that was there before the call is gone: bash's SIGCHLD handler may have reaped it and not
             # yet noted it in its job table; once bash waits for a line again, it has.
-            settled = processes.keys() <= after.keys() or self._handlers_done(time.monotonic() + GRACE_SECONDS)
+            settled = processes.keys() <= after.keys() or self.wait_idle()
             last_job_after, held, ended = self.observer.jobs()
             jobs_after = self._jobs_after = (held, ended)
             # A job of the shell ended during the call (more ended, or fewer left), or one it started ended already,

@@ -522,13 +522,13 @@ class Server:
             if not events:  # nothing to answer: get a spare ready for a next command, remove old cgroups
                 if self.unremoved:
                     self.remove_cgroups()
-                elif self.busy and not self.running and not self.wants_spare():
-                    self.busy = [group for group in self.busy if not group.remove(timeout=0)]
                 elif self.wants_spare():
                     try:
                         self.spares.append(self.fork())
                     except OSError:
                         self.make_spares = False  # retried after the next request
+                elif self.busy and not self.running:
+                    self.remove_cgroups()
                 continue
             for fd, _ in events:
                 if fd in self.attaching:
@@ -676,7 +676,8 @@ class Server:
             self.busy = []
 
     def remove_cgroups(self) -> None:
-        self.busy += [group for group in self.unremoved if not group.remove(timeout=0)]
+        """Remove the cgroups of ended trees, and those the kernel still held last time; keep the ones still busy."""
+        self.busy = [group for group in [*self.busy, *self.unremoved] if not group.remove(timeout=0)]
         self.unremoved = []
 
     def kill_over_limit(self, child: object) -> None:
